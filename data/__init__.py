@@ -1,0 +1,1 @@
+"""One file per data source: real on-disk formats plus learnable built-in synthetic sets."""

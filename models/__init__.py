@@ -1,0 +1,9 @@
+"""One file per paper model: the network and its Task. TASKS maps `model.name` to it."""
+from __future__ import annotations
+
+from models.resnet50 import ResNet50Task
+from runner.task import Task
+
+TASKS: dict[str, type[Task]] = {
+    "resnet50": ResNet50Task,
+}

@@ -1,0 +1,138 @@
+"""Honest speed and memory numbers.
+
+Step times: CUDA events on GPU (read after one synchronize at flush time, so
+timing adds no per-step host sync), perf_counter on CPU. Warm-up steps are
+excluded. Memory: the allocator's peaks on GPU, peak RSS on CPU, and byte
+counts that do not depend on the device (parameters, gradients, optimizer
+state, master weights, activations saved for backward).
+"""
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+
+class StepTimer:
+    def __init__(self, device: torch.device, warmup_steps: int) -> None:
+        self.cuda = device.type == "cuda"
+        self.warmup_steps = warmup_steps
+        self.durations_ms: list[float] = []
+        self.samples = 0
+        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
+        self._seen = 0
+        self._t0 = 0.0
+        self._start_event: torch.cuda.Event | None = None
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start_event = torch.cuda.Event(enable_timing=True)
+            self._start_event.record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self, batch_size: int) -> None:
+        self._seen += 1
+        timed = self._seen > self.warmup_steps
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            if timed:
+                self._pending.append((self._start_event, end, batch_size))
+        elif timed:
+            self.durations_ms.append((time.perf_counter() - self._t0) * 1e3)
+            self.samples += batch_size
+
+    def flush(self) -> None:
+        """Resolve pending CUDA events (one synchronize for all of them)."""
+        if not self._pending:
+            return
+        self._pending[-1][1].synchronize()
+        for start, end, n in self._pending:
+            self.durations_ms.append(start.elapsed_time(end))
+            self.samples += n
+        self._pending.clear()
+
+    def recent_samples_per_s(self, last: int) -> float | None:
+        self.flush()
+        if not self.durations_ms:
+            return None
+        window = self.durations_ms[-last:]
+        per_step = self.samples / len(self.durations_ms)  # batch size is constant across training steps
+        return per_step * len(window) / (sum(window) / 1e3)
+
+    def summary(self) -> dict[str, float | None]:
+        self.flush()
+        if not self.durations_ms:
+            return {"samples_per_s": None, "step_time_ms_p50": None, "step_time_ms_p90": None}
+        t = torch.tensor(self.durations_ms)
+        return {
+            "samples_per_s": self.samples / (float(t.sum()) / 1e3),
+            "step_time_ms_p50": float(t.quantile(0.5)),
+            "step_time_ms_p90": float(t.quantile(0.9)),
+        }
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def optimizer_state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
+    return sum(tensor_bytes(v for v in state.values() if isinstance(v, torch.Tensor))
+               for opt in optimizers for state in opt.state.values())
+
+
+def peak_rss_bytes() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+class SavedActivations:
+    """Bytes of tensors autograd saves for backward, parameters excluded.
+
+    Counted per storage, so views of one buffer count once. This is the
+    device-independent measure of the activation memory the paper halves.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor]) -> None:
+        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self.storages: dict[int, int] = {}
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.exclude and ptr != 0:
+            self.storages[ptr] = storage.nbytes()
+        return t
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            yield
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
+def memory_report(device: torch.device, model: nn.Module, master: list[torch.Tensor],
+                  optimizers: Iterable[torch.optim.Optimizer], activation_bytes: int | None) -> dict[str, int | None]:
+    cuda = device.type == "cuda"
+    params = list(model.parameters())
+    return {
+        "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if cuda else None,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "param_bytes": tensor_bytes(params),
+        # Gradients exist for every trainable parameter during backward, in the model's
+        # dtype, plus the FP32 master gradients where there is a master copy.
+        "grad_bytes": tensor_bytes(p for p in params if p.requires_grad) + tensor_bytes(master),
+        "optimizer_state_bytes": optimizer_state_bytes(optimizers),
+        "master_weight_bytes": tensor_bytes(master),
+        "activation_bytes": activation_bytes,
+    }
