@@ -1,0 +1,134 @@
+"""The shared engine end to end on tiny ResNets: learning, outputs, skips, resume, all modes."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.engine import Trainer, train
+
+SUMMARY_KEYS = {"model", "precision", "scale", "device", "device_name", "torch_version", "steps", "samples",
+                "metric_name", "metric", "metrics", "samples_per_s", "step_time_ms_p50", "step_time_ms_p90",
+                "memory", "skipped_steps", "diverged", "wall_s"}
+MEMORY_KEYS = {"peak_allocated_bytes", "peak_reserved_bytes", "peak_rss_bytes", "param_bytes", "grad_bytes",
+               "optimizer_state_bytes", "master_weight_bytes", "activation_bytes"}
+
+
+def records(run_dir: Path, split: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["split"] == split]
+
+
+def test_learns_the_synthetic_set_above_chance(tiny_cfg):
+    summary = train(tiny_cfg("model.width=0.25", "data.image_size=32", "data.batch_size=32",
+                             "data.num_train=2048", "trainer.max_steps=60", "trainer.log_every=10",
+                             "trainer.warmup_steps=5"))
+    losses = [r["loss"] for r in records(Path(summary["run_dir"]), "train")]
+    assert losses[-1] < 0.8 * losses[0]
+    assert summary["metric"] > 25.0  # chance is 10% on 10 classes
+
+
+def test_outputs_carry_the_contract(tiny_cfg):
+    summary = train(tiny_cfg("precision=mp", "scale=dynamic"))
+    run_dir = Path(summary["run_dir"])
+    assert run_dir.parts[-3:] == ("resnet50", "mp-dynamic", "seed0")
+    on_disk = json.loads((run_dir / "summary.json").read_text())
+    assert SUMMARY_KEYS <= on_disk.keys() and MEMORY_KEYS <= on_disk["memory"].keys()
+    assert on_disk["metric_name"] == "top1" and on_disk["metric"] == on_disk["metrics"]["top1"]
+    assert on_disk["memory"]["peak_allocated_bytes"] is None  # CPU
+    masters = torch.load(run_dir / "checkpoint.pt", weights_only=True)["master"]["main"]
+    assert on_disk["memory"]["master_weight_bytes"] == sum(4 * m.numel() for m in masters)
+    for r in records(run_dir, "train"):
+        assert {"step", "loss", "lr", "samples_per_s", "loss_scale", "overflow", "skipped_steps"} <= r.keys()
+    assert records(run_dir, "eval")[-1]["top1"] == on_disk["metric"]
+    assert (run_dir / "checkpoint.pt").exists()
+
+
+def test_tensorboard_has_the_same_tags_for_every_precision(tiny_cfg):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = []
+    for precision in ("fp32", "amp"):
+        run_dir = Path(train(tiny_cfg(f"precision={precision}"))["run_dir"])
+        acc = EventAccumulator(str(run_dir))
+        acc.Reload()
+        tags.append(set(acc.Tags()["scalars"]))
+    assert tags[0] == tags[1]
+    assert {"train/loss", "train/lr", "train/samples_per_s", "train/loss_scale", "train/skipped_steps",
+            "eval/top1", "eval/top5"} <= tags[0]
+
+
+def test_skipped_step_changes_no_weight_optimizer_state_or_schedule(tiny_cfg):
+    """Steps 0,1 then an injected overflow at step 2 == steps 0,1 alone, bit for bit."""
+    common = ("precision=mp", "scale=64", "trainer.schedule=cosine", "trainer.max_steps=3")
+    skipped = Trainer(tiny_cfg(*common, "debug.nonfinite_steps=[2]", "out_root=" + "skip"))
+    skipped.run()
+    reference = Trainer(tiny_cfg(*common, "out_root=ref"))
+    reference.total_steps = 2
+    reference.run()
+    assert skipped.skipped_steps == 1 and reference.skipped_steps == 0
+    for a, b in zip(skipped.params["main"].master_params, reference.params["main"].master_params):
+        assert torch.equal(a, b)
+    for a, b in zip(skipped.model.parameters(), reference.model.parameters()):
+        assert torch.equal(a, b)
+    sa, sb = skipped.optimizers["main"].state_dict()["state"], reference.optimizers["main"].state_dict()["state"]
+    assert all(torch.equal(sa[k]["momentum_buffer"], sb[k]["momentum_buffer"]) for k in sa)
+    assert skipped.schedulers["main"].last_epoch == reference.schedulers["main"].last_epoch == 2
+
+
+def test_resume_reproduces_the_uninterrupted_scale_trajectory(tiny_cfg, tmp_path):
+    common = ("precision=mp", "scale=dynamic", "scaler.init_scale=1024", "scaler.growth_interval=2",
+              "debug.nonfinite_steps=[1,5]", "trainer.schedule=constant", "trainer.log_every=1")
+    whole = train(tiny_cfg(*common, "trainer.max_steps=8", "out_dir=" + str(tmp_path / "whole")))
+    train(tiny_cfg(*common, "trainer.max_steps=4", "out_dir=" + str(tmp_path / "split")))
+    resumed = train(tiny_cfg(*common, "trainer.max_steps=8", "out_dir=" + str(tmp_path / "split")))
+    scales = lambda d: [(r["step"], r["loss_scale"]) for r in records(tmp_path / d, "train")]  # noqa: E731
+    assert scales("split") == scales("whole")
+    assert [s for _, s in scales("whole")] == [1024, 512, 512, 1024, 1024, 512, 512, 1024]
+    assert resumed["skipped_steps"] == whole["skipped_steps"] == 2
+    a = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=True)
+    b = torch.load(tmp_path / "split" / "checkpoint.pt", weights_only=True)
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def test_finished_run_is_not_retrained_or_overwritten(tiny_cfg):
+    cfg = tiny_cfg()
+    first = train(cfg)
+    again = train(cfg)
+    assert again == json.loads(json.dumps(first))
+
+
+def test_abort_after_consecutive_skips_marks_diverged_and_keeps_results(tiny_cfg):
+    summary = train(tiny_cfg("precision=mp", "scale=8", "trainer.max_steps=10", "trainer.abort_after_skips=3",
+                             "debug.nonfinite_steps=[2,3,4,5,6]"))
+    run_dir = Path(summary["run_dir"])
+    assert summary["diverged"] and "3 consecutive" in summary["diverged_reason"]
+    assert summary["steps"] == 5 and summary["skipped_steps"] == 3
+    assert (run_dir / "checkpoint.pt").exists() and (run_dir / "metrics.jsonl").exists()
+
+
+def test_mp_activation_memory_is_about_half_of_fp32(tiny_cfg):
+    fp32 = train(tiny_cfg("model.width=0.25", "data.image_size=32"))["memory"]["activation_bytes"]
+    mp = train(tiny_cfg("model.width=0.25", "data.image_size=32", "precision=mp"))["memory"]["activation_bytes"]
+    assert 0.45 < mp / fp32 < 0.6
+
+
+MODES = ["fp16", "mp", "amp", "pseudo_fp16", "bf16", "bf16_amp"]
+SCALES = ["none", "8", "dynamic", "lognormal", "auto"]
+
+
+@pytest.mark.parametrize("precision", MODES)
+@pytest.mark.parametrize("scale", SCALES)
+def test_every_precision_and_scaler_trains(tiny_cfg, precision, scale):
+    summary = train(tiny_cfg(f"precision={precision}", f"scale={scale}", "trainer.max_steps=3",
+                             "scaler.auto_every=2", "trainer.eval_batches=1"))
+    assert summary["steps"] == 3 and not summary["diverged"]
+    assert summary["metric"] is not None
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+def test_full_precision_modes_train(tiny_cfg, precision):
+    summary = train(tiny_cfg(f"precision={precision}", "trainer.max_steps=3"))
+    assert summary["precision_details"]["tf32"] == (precision == "tf32")
