@@ -32,7 +32,13 @@ def scale_suffix(scale: Any) -> str:
     return "" if str(scale) == "none" else f"-{scale}"
 
 
+def linear_lr(base_lr: float, batch_size: int, reference_batch: int) -> float:
+    """The linear scaling rule (Goyal et al. 2017) the ImageNet recipes use: lr = base * batch / ref."""
+    return base_lr * batch_size / reference_batch
+
+
 OmegaConf.register_new_resolver("mpt_scale_suffix", scale_suffix, replace=True)
+OmegaConf.register_new_resolver("mpt_linear_lr", linear_lr, replace=True)
 
 
 def group_options(group: str) -> list[str]:

@@ -21,19 +21,21 @@ def build_optimizer(cfg: TrainerConfig, params: list[torch.nn.Parameter],
     return torch.optim.Adagrad(params, eps=cfg.eps, **o)
 
 
-def lr_factor(cfg: TrainerConfig, total_steps: int, step: int) -> float:
+def lr_factor(cfg: TrainerConfig, total_steps: int, steps_per_epoch: int, step: int) -> float:
     """Multiplier of the base LR after `step` optimizer steps (linear warm-up, then the schedule)."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
+    unit = steps_per_epoch if cfg.schedule_unit == "epochs" else 1
+    warmup = cfg.warmup_steps * unit
+    if step < warmup:
+        return (step + 1) / warmup
     if cfg.schedule == "constant":
         return 1.0
     if cfg.schedule == "step":
-        return cfg.gamma ** sum(step >= m for m in cfg.milestones)
-    span = max(1, total_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
+        return cfg.gamma ** sum(step >= m * unit for m in cfg.milestones)
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(cfg: TrainerConfig, optimizer: torch.optim.Optimizer,
-                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, total_steps, step))
+def build_scheduler(cfg: TrainerConfig, optimizer: torch.optim.Optimizer, total_steps: int,
+                    steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(cfg, total_steps, steps_per_epoch, step))

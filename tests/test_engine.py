@@ -60,12 +60,12 @@ def test_tensorboard_has_the_same_tags_for_every_precision(tiny_cfg):
             "eval/top1", "eval/top5"} <= tags[0]
 
 
-def test_skipped_step_changes_no_weight_optimizer_state_or_schedule(tiny_cfg):
+def test_skipped_step_changes_no_weight_optimizer_state_or_schedule(tiny_cfg, tmp_path):
     """Steps 0,1 then an injected overflow at step 2 == steps 0,1 alone, bit for bit."""
     common = ("precision=mp", "scale=64", "trainer.schedule=cosine", "trainer.max_steps=3")
-    skipped = Trainer(tiny_cfg(*common, "debug.nonfinite_steps=[2]", "out_root=" + "skip"))
+    skipped = Trainer(tiny_cfg(*common, "debug.nonfinite_steps=[2]", f"out_dir={tmp_path / 'skip'}"))
     skipped.run()
-    reference = Trainer(tiny_cfg(*common, "out_root=ref"))
+    reference = Trainer(tiny_cfg(*common, f"out_dir={tmp_path / 'ref'}"))
     reference.total_steps = 2
     reference.run()
     assert skipped.skipped_steps == 1 and reference.skipped_steps == 0
