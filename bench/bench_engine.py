@@ -13,18 +13,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from runner.cli import compose_job
-from runner.engine import Trainer
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import device_batches, device_label, engine_step, resnet_trainer, time_per_step  # noqa: E402
 
 
 def plain_step_fn(model, opt, device: torch.device, precision: str, scaler: torch.amp.GradScaler | None):
@@ -45,15 +41,6 @@ def plain_step_fn(model, opt, device: torch.device, precision: str, scaler: torc
     return step
 
 
-def time_steps(step, batches, device: torch.device) -> float:
-    sync(device)
-    t0 = time.perf_counter()
-    for b in batches:
-        step(b)
-    sync(device)
-    return (time.perf_counter() - t0) / len(batches)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--precision", default="fp32", choices=["fp32", "amp"])
@@ -69,38 +56,28 @@ def main() -> None:
     if args.precision == "fp32" and args.scale != "none":
         p.error("fp32 takes no loss scale")
 
-    cfg = compose_job([
-        f"precision={args.precision}", f"scale={args.scale}", f"model.width={args.width}",
-        f"model.depth=[{','.join(map(str, args.depth))}]", f"data.image_size={args.image_size}",
-        f"data.batch_size={args.batch}", f"data.num_train={args.batch * args.steps}", "data.num_eval=8",
-        f"device={args.device}", "trainer.warmup_steps=0", "trainer.schedule=constant", "trainer.weight_decay=0",
-        "trainer.resume=never", "out_dir=/tmp/mpt-bench-engine"])
-    engine = Trainer(cfg)
+    engine = resnet_trainer(args.precision, args.scale, args.width, args.depth, args.image_size, args.batch,
+                            args.steps, args.device, "/tmp/mpt-bench-engine")
     device = engine.device
-    batches = [engine.to_device(engine.task.collate([engine.train_set[i * args.batch + j] for j in range(args.batch)]))
-               for i in range(args.steps)]
+    batches = device_batches(engine, args.steps, args.batch)
 
     plain_model = engine.task.build_model().to(device)
     plain_model.load_state_dict(engine.model.state_dict())
-    plain_opt = torch.optim.SGD(plain_model.parameters(), lr=cfg.trainer.lr, momentum=cfg.trainer.momentum)
+    plain_opt = torch.optim.SGD(plain_model.parameters(), lr=engine.t.lr, momentum=engine.t.momentum)
     plain_scaler = torch.amp.GradScaler(device.type) if args.scale == "dynamic" else None
     plain = plain_step_fn(plain_model, plain_opt, device, args.precision, plain_scaler)
 
-    def engine_step(batch) -> None:
-        engine.train_iteration(batch, record_activations=False)
-        engine.step += 1
-
-    for step in (engine_step, plain):  # warm-up: allocator, cudnn autotune, lazy optimizer state
-        time_steps(step, batches[:3], device)
+    ours = engine_step(engine)
+    for step in (ours, plain):  # warm-up: allocator, cudnn autotune, lazy optimizer state
+        time_per_step(step, batches[:3], device)
     ratios, engine_ms, plain_ms = [], [], []
     for _ in range(args.rounds):
-        e = time_steps(engine_step, batches, device)
-        q = time_steps(plain, batches, device)
+        e = time_per_step(ours, batches, device)
+        q = time_per_step(plain, batches, device)
         ratios.append(e / q)
         engine_ms.append(e * 1e3)
         plain_ms.append(q * 1e3)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
-    print(f"device: {name}; precision={args.precision} scale={args.scale}; ResNet-50 width={args.width} "
+    print(f"device: {device_label(device)}; precision={args.precision} scale={args.scale}; ResNet-50 width={args.width} "
           f"depth={args.depth} image={args.image_size} batch={args.batch}; {args.rounds} rounds x {args.steps} steps")
     print(f"engine step {statistics.median(engine_ms):.2f} ms, plain step {statistics.median(plain_ms):.2f} ms (medians)")
     print(f"engine/plain ratio: median {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")
