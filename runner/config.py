@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from runner.errors import UserError
+from runner.gradstats import StatsConfig
 from runner.scaling import ScalerConfig
 
 
@@ -29,7 +30,8 @@ class TrainerConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     schedule: str = "cosine"           # constant | cosine | step
-    milestones: list[int] = field(default_factory=list)  # step schedule: multiply lr by gamma at these steps
+    milestones: list[int] = field(default_factory=list)  # step schedule: multiply lr by gamma at these points
+    schedule_unit: str = "steps"       # steps | epochs: the unit of milestones and warmup_steps
     gamma: float = 0.1
     warmup_steps: int = 0              # linear warm-up from 0 to lr
     grad_clip: float | None = None     # max global L2 norm of (unscaled) gradients
@@ -66,7 +68,7 @@ class RootConfig:
     out_root: str = "outputs"
     run_name: str = ""
     out_dir: str = ""
-    stats: Any = None
+    stats: StatsConfig = field(default_factory=StatsConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
 
@@ -74,6 +76,7 @@ _CHOICES = {
     "trainer.optimizer": ("sgd", "adam", "adamw", "adagrad"),
     "trainer.schedule": ("constant", "cosine", "step"),
     "trainer.resume": ("auto", "never"),
+    "trainer.schedule_unit": ("steps", "epochs"),
 }
 
 

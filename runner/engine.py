@@ -10,6 +10,10 @@ directly) and returns the run summary. One step, whatever the precision:
                           if not found_inf.item():                     # the one sync per optimizer step
                               clip; optimizer.step(); scheduler.step(); params[name].publish()
     scaler.update(found_inf, grad_max)                                 # once per iteration, on device
+
+Gradient statistics (runner/gradstats.py) bracket an iteration with stats.begin(step) /
+stats.end(step, S) and look at the unscaled grads and the optimizer step; between sampled
+steps every one of those calls returns at once. stats.end also hands scale=auto its max|grad|.
 """
 from __future__ import annotations
 
@@ -31,12 +35,13 @@ from models import TASKS
 from runner import checkpoint
 from runner.config import RootConfig, validate
 from runner.errors import UserError
+from runner.gradstats import GradStats
 from runner.loader import batches_per_epoch, eval_batches, train_batches
 from runner.logs import RunLogger, write_json_atomic
 from runner.measure import SavedActivations, StepTimer, memory_report
 from runner.optim import build_optimizer, build_scheduler
 from runner.precision import BoundParams, PrecisionPolicy, make_policy, map_tensors
-from runner.scaling import LossScaler, grad_abs_max, make_scaler, parse_scale
+from runner.scaling import AutoScaler, LossScaler, grad_abs_max, make_scaler, parse_scale
 from runner.task import Batch, Task
 
 log = logging.getLogger("mpt")
@@ -134,9 +139,13 @@ class Trainer:
         self.params: dict[str, BoundParams] = {
             name: self.policy.bind(ps) for name, ps in self.task.optimizer_params(self.model).items()}
         self.optimizers = {name: build_optimizer(self.t, b.optimizer_params) for name, b in self.params.items()}
-        self.schedulers = {name: build_scheduler(self.t, opt, self.total_steps) for name, opt in self.optimizers.items()}
+        self.schedulers = {name: build_scheduler(self.t, opt, self.total_steps, per_epoch)
+                           for name, opt in self.optimizers.items()}
         format_max = torch.finfo(self.policy.low_dtype or torch.float32).max
         self.scaler: LossScaler = make_scaler(root.scale, root.scaler, format_max, self.device)
+        # Gradient statistics; scale=auto reads its max|grad| from them every auto_every steps.
+        self.stats = GradStats(root.stats, self.model, self.run_dir, self.policy.low_dtype,
+                               scaler_every=self.scaler.stats_every if isinstance(self.scaler, AutoScaler) else 0)
 
         self.step = 0
         self.samples = 0
@@ -211,6 +220,7 @@ class Trainer:
             if self.step in self.root.debug.nonfinite_steps and grads:
                 grads[0].fill_(float("inf"))  # test hook: an overflow exactly here
             found_inf = self.scaler.unscale_(grads)
+            self.stats.weight_grads(bound)
             if self.scaler.wants_grad_max(self.step):
                 grad_max = grad_abs_max(grads)
                 self._iter_grad_max = grad_max if self._iter_grad_max is None else torch.maximum(self._iter_grad_max, grad_max)
@@ -220,12 +230,14 @@ class Trainer:
                 return
             if self.t.grad_clip is not None:
                 torch.nn.utils.clip_grad_norm_(bound.optimizer_params, self.t.grad_clip, foreach=True)
-            opt.step()
+            with self.stats.measure_update(bound, opt):
+                opt.step()
             self.schedulers[name].step()
             bound.publish()
 
     def train_iteration(self, batch: Batch, record_activations: bool) -> dict[str, torch.Tensor]:
         self._iter_found, self._iter_grad_max = None, None
+        self.stats.begin(self.step)
         recorder = SavedActivations(list(self.model.parameters()) +
                                     [m for b in self.params.values() for m in (b.master_params or [])])
         with (recorder.recording() if record_activations else contextlib.nullcontext()), self.policy.autocast():
@@ -233,7 +245,8 @@ class Trainer:
         if record_activations:
             self.activation_bytes = recorder.total
         found = self._iter_found if self._iter_found is not None else torch.zeros((), device=self.device)
-        self.scaler.update(found, self._iter_grad_max, self.step)
+        stats_max = self.stats.end(self.step, self.scaler.scale)  # auto's max|grad| on its steps, else None
+        self.scaler.update(found, self._iter_grad_max if stats_max is None else stats_max, self.step)
         return logs
 
     # --- the loop -------------------------------------------------------------------
@@ -271,6 +284,7 @@ class Trainer:
             log.info("run already finished; summary at %s", summary_path)
             return json.loads(summary_path.read_text())
         logger = RunLogger(self.run_dir)
+        self.stats.open(logger.tb)
         diverged_reason: str | None = None
         self.model.train()
         stream = train_batches(self.train_set, self.batch_size, self.num_workers, self.task.collate,
@@ -307,6 +321,7 @@ class Trainer:
             metrics = self.evaluate()
             logger.log(self.step, "eval", metrics)
         finally:
+            self.stats.close()
             logger.close()
         summary = self.summary(metrics, diverged_reason, time.perf_counter() - wall0)
         write_json_atomic(summary_path, summary)

@@ -193,7 +193,15 @@ class AutoScaler(LossScaler):
     """The paper's rule from gradient statistics (section 3.2), re-evaluated every N steps.
 
     S = largest power of two with S * max|g| < format_max * auto_margin, where
-    max|g| is the unscaled weight-gradient maximum of the sampled step. Between
+    max|g| is the unscaled maximum over the activation and the weight gradients
+    of the sampled step. The engine's gradient-statistics collector
+    (runner/gradstats.py) samples it every `stats_every` = auto_every steps,
+    whether or not stats are enabled, and passes it to update(); on other steps
+    grad_max is None. Activation gradients are included because the rule is
+    about overflow anywhere in back-propagation: every gradient backward writes
+    in the low format, the activation gradients of the paper's Figure 3 as well
+    as the weight gradients, must stay below format_max after scaling, and an
+    overflow in an activation gradient poisons every gradient below it. Between
     evaluations S stays; an overflow halves it (and the step is skipped).
     """
 
@@ -201,7 +209,7 @@ class AutoScaler(LossScaler):
 
     def __init__(self, value: float, cfg: ScalerConfig, format_max: float, device: torch.device) -> None:
         super().__init__(cfg.init_scale, cfg, format_max, device)
-        self.needs_grad_max_every = cfg.auto_every
+        self.stats_every = cfg.auto_every
 
     def update(self, found_inf: torch.Tensor, grad_max: torch.Tensor | None, step: int) -> None:
         cfg = self.cfg
