@@ -27,6 +27,11 @@ class ResNet50Config:
     depth: list[int] = field(default_factory=lambda: [3, 4, 6, 3])  # Bottleneck blocks per stage
     zero_init_residual: bool = False
 
+    def __post_init__(self) -> None:
+        if len(self.depth) != 4 or min(self.depth) < 1 or self.width <= 0:
+            raise UserError(f"bad config: model.depth={list(self.depth)} needs 4 stages of 1+ blocks and "
+                            f"model.width={self.width} must be positive (ResNet-50: depth=[3,4,6,3], width=1.0)")
+
 
 class ScaledResNet(ResNet):
     """torchvision's ResNet with every stage's width multiplied by `width`."""

@@ -1,6 +1,7 @@
 """Full training state in one file, written atomically, read with weights_only=True."""
 from __future__ import annotations
 
+import os
 import pickle
 import random
 import zipfile
@@ -30,7 +31,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save(path: Path, state: dict[str, Any]) -> None:
     tmp = path.with_suffix(".pt.tmp")
-    torch.save(state, tmp)
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())  # the bytes are on disk before the rename makes them the checkpoint
     tmp.replace(path)  # the previous checkpoint survives any crash during the write
 
 

@@ -24,6 +24,7 @@ from runner.errors import EXIT_USER_ERROR, UserError
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 GROUPS = ("model", "data", "precision", "trainer", "experiment")
+_FLAGS_WITH_VALUE = {"-cn", "--config-name", "-cp", "--config-path", "-cd", "--config-dir", "--experimental-rerun"}
 _NOT_A_RUN = {"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "--version", "--shell-completion", "-sc"}
 
 
@@ -86,7 +87,8 @@ def preflight(argv: list[str]) -> None:
     from runner.engine import check_run  # torch import deferred until the command is a run
 
     multirun = "-m" in argv or "--multirun" in argv
-    overrides = [a for a in argv if not a.startswith("-")]
+    overrides = [a for a, before in zip(argv, [""] + argv)
+                 if not a.startswith("-") and before not in _FLAGS_WITH_VALUE and not a.startswith("hydra.")]
     try:
         jobs = expand_sweep(overrides) if multirun else [overrides]
     except HydraException as exc:

@@ -8,7 +8,7 @@ keys are validated by the selected Task's own schema (models/<name>.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -80,6 +80,42 @@ _CHOICES = {
 }
 
 
+def _positive(v: Any) -> bool:
+    return v > 0
+
+
+def _non_negative(v: Any) -> bool:
+    return v >= 0
+
+
+def _positive_or_null(v: Any) -> bool:
+    return v is None or v > 0
+
+
+def _fraction(v: Any) -> bool:
+    return 0 <= v < 1
+
+
+# Numeric keys whose range the types cannot express; key -> (test, what it must be).
+_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **{f"trainer.{k}": (_positive, "positive") for k in ("max_steps", "log_every", "lr", "eps", "gamma")},
+    **{f"trainer.{k}": (_non_negative, "zero or more") for k in (
+        "momentum", "weight_decay", "warmup_steps", "eval_every", "timing_warmup_steps", "abort_after_skips",
+        "checkpoint_every")},
+    **{f"trainer.{k}": (_positive_or_null, "positive or null") for k in ("epochs", "grad_clip", "eval_batches")},
+    "trainer.betas": (lambda v: len(v) == 2 and all(map(_fraction, v)), "two numbers in [0, 1)"),
+    **{f"scaler.{k}": (_positive, "positive") for k in ("init_scale", "growth_interval", "auto_every")},
+    **{f"scaler.{k}": (_positive_or_null, "positive or null") for k in ("min_scale", "max_scale")},
+    "scaler.growth_factor": (lambda v: v > 1, "greater than 1"),
+    "scaler.backoff_factor": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "scaler.hysteresis": (lambda v: v >= 1, "1 or more"),
+    "scaler.overflow_prob": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "scaler.beta1": (_fraction, "in [0, 1)"),
+    "scaler.beta2": (_fraction, "in [0, 1)"),
+    "scaler.auto_margin": (lambda v: 0 < v <= 1, "in (0, 1]"),
+}
+
+
 def one_line(exc: OmegaConfBaseException) -> str:
     """OmegaConf errors are multi-line with a key path; keep the message and the key."""
     msg = str(exc).splitlines()[0].strip()
@@ -101,12 +137,13 @@ def validate(cfg: DictConfig) -> RootConfig:
         value = getattr(getattr(root, section), name)
         if value not in allowed:
             raise UserError(f"bad config: {key}={value!r}; choose one of: {', '.join(allowed)}")
-    t = root.trainer
-    for key in ("max_steps", "log_every"):
-        if getattr(t, key) <= 0:
-            raise UserError(f"bad config: trainer.{key} must be positive, got {getattr(t, key)}")
-    if t.lr <= 0:
-        raise UserError(f"bad config: trainer.lr must be positive, got {t.lr}")
+    for key, (ok, requirement) in _RANGES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(root, section), name)
+        if not ok(value):
+            raise UserError(f"bad config: {key}={value} must be {requirement}")
+    if root.trainer.nesterov and root.trainer.momentum <= 0:
+        raise UserError("bad config: trainer.nesterov=true needs trainer.momentum > 0")
     if root.device not in ("auto", "cpu") and not root.device.startswith("cuda"):
         raise UserError(f"bad config: device={root.device!r}; use auto, cpu, cuda or cuda:N")
     return root

@@ -159,6 +159,9 @@ class Trainer:
         self._window_overflows = 0
         self._log_sums: dict[str, torch.Tensor] = {}
         self._log_count = 0
+        self.diverged_reason: str | None = None
+        self._wall_start = time.perf_counter()
+        self._wall_before = 0.0  # wall time of earlier segments of a resumed run
 
     # --- identity / checkpoint -------------------------------------------------------
     def identity(self) -> dict[str, Any]:
@@ -176,6 +179,10 @@ class Trainer:
             "schedulers": {n: s.state_dict() for n, s in self.schedulers.items()},
             "scaler": self.scaler.state_dict(),
             "rng": checkpoint.rng_state(),
+            "diverged_reason": self.diverged_reason,
+            # so a resumed run's summary covers the whole run, not only its last part
+            "measurements": {"activation_bytes": self.activation_bytes, "timer": self.timer.state_dict(),
+                             "wall_s": self.wall_s()},
         }
 
     def load_state_dict(self, state: dict[str, Any], path: Path) -> None:
@@ -194,12 +201,20 @@ class Trainer:
             sched.load_state_dict(state["schedulers"][name])
         self.scaler.load_state_dict(state["scaler"])
         checkpoint.set_rng_state(state["rng"])
+        self.diverged_reason = state["diverged_reason"]
+        measured = state["measurements"]
+        self.activation_bytes = measured["activation_bytes"]
+        self.timer.load_state_dict(measured["timer"])
+        self._wall_before = measured["wall_s"]
 
     def save_checkpoint(self) -> None:
         checkpoint.save(self.run_dir / checkpoint.CHECKPOINT_NAME, self.state_dict())
 
+    def wall_s(self) -> float:
+        return self._wall_before + time.perf_counter() - self._wall_start
+
     def maybe_resume(self) -> bool:
-        """Load an existing checkpoint. Returns True if that run had already finished."""
+        """Load an existing checkpoint. Returns True if that run had already ended (finished or diverged)."""
         path = self.run_dir / checkpoint.CHECKPOINT_NAME
         if not path.exists():
             return False
@@ -208,7 +223,7 @@ class Trainer:
                             f"(or trainer.resume=auto to continue that run)")
         self.load_state_dict(checkpoint.load(path), path)
         log.info("resumed from %s at step %d", path, self.step)
-        return self.step >= self.total_steps
+        return self.step >= self.total_steps or self.diverged_reason is not None
 
     # --- one optimizer step ----------------------------------------------------------------
     def step_fn(self, loss: torch.Tensor, name: str) -> None:
@@ -238,11 +253,10 @@ class Trainer:
     def train_iteration(self, batch: Batch, record_activations: bool) -> dict[str, torch.Tensor]:
         self._iter_found, self._iter_grad_max = None, None
         self.stats.begin(self.step)
-        recorder = SavedActivations(list(self.model.parameters()) +
-                                    [m for b in self.params.values() for m in (b.master_params or [])])
-        with (recorder.recording() if record_activations else contextlib.nullcontext()), self.policy.autocast():
+        recorder = SavedActivations(self.model.parameters()) if record_activations else None
+        with (recorder.recording() if recorder else contextlib.nullcontext()), self.policy.autocast():
             logs = self.task.train_step(self.model, batch, self.step_fn)
-        if record_activations:
+        if recorder:
             self.activation_bytes = recorder.total
         found = self._iter_found if self._iter_found is not None else torch.zeros((), device=self.device)
         stats_max = self.stats.end(self.step, self.scaler.scale)  # auto's max|grad| on its steps, else None
@@ -278,19 +292,17 @@ class Trainer:
         self._log_sums, self._log_count, self._window_overflows = {}, 0, 0
 
     def run(self) -> dict[str, Any]:
-        wall0 = time.perf_counter()
         summary_path = self.run_dir / "summary.json"
         if self.maybe_resume() and summary_path.exists():
-            log.info("run already finished; summary at %s", summary_path)
+            log.info("run already ended; summary at %s", summary_path)
             return json.loads(summary_path.read_text())
-        logger = RunLogger(self.run_dir)
+        logger = RunLogger(self.run_dir, self.step)
         self.stats.open(logger.tb)
-        diverged_reason: str | None = None
         self.model.train()
         stream = train_batches(self.train_set, self.batch_size, self.num_workers, self.task.collate,
                                self.root.seed, self.step)
         try:
-            while self.step < self.total_steps:
+            while self.step < self.total_steps and self.diverged_reason is None:
                 batch = self.to_device(next(stream))
                 self.timer.start()
                 skipped_before = self.skipped_steps
@@ -311,10 +323,9 @@ class Trainer:
                 if self.t.checkpoint_every and self.step % self.t.checkpoint_every == 0:
                     self.save_checkpoint()
                 if self.t.abort_after_skips and self.consecutive_skips >= self.t.abort_after_skips:
-                    diverged_reason = (f"{self.consecutive_skips} consecutive steps with non-finite gradients "
-                                       f"(up to step {self.step}, loss scale {float(self.scaler.scale):g})")
-                    log.warning("diverged: %s", diverged_reason)
-                    break
+                    self.diverged_reason = (f"{self.consecutive_skips} consecutive steps with non-finite gradients "
+                                            f"(up to step {self.step}, loss scale {float(self.scaler.scale):g})")
+                    log.warning("diverged: %s", self.diverged_reason)
             if self._log_count:
                 self.log_train(logger)
             self.save_checkpoint()
@@ -323,7 +334,7 @@ class Trainer:
         finally:
             self.stats.close()
             logger.close()
-        summary = self.summary(metrics, diverged_reason, time.perf_counter() - wall0)
+        summary = self.summary(metrics, self.diverged_reason, self.wall_s())
         write_json_atomic(summary_path, summary)
         return summary
 

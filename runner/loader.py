@@ -42,14 +42,18 @@ def train_batches(dataset: Dataset, batch_size: int, num_workers: int, collate: 
     epoch, offset = divmod(start_step, per_epoch)
     while True:
         sampler = EpochSampler(len(dataset), seed, epoch, offset * batch_size, shuffle=True)
+        # Own generator: worker seeds come from (seed, epoch), and the global RNG (which the
+        # checkpoint restores for augmentation in the main process) is not drawn from.
         yield from DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                              collate_fn=collate, drop_last=True, persistent_workers=False)
+                              collate_fn=collate, drop_last=True,
+                              generator=torch.Generator().manual_seed(seed * 7919 + epoch))
         epoch, offset = epoch + 1, 0
 
 
 def eval_batches(dataset: Dataset, batch_size: int, num_workers: int, collate: Callable[[list], Any],
                  limit: int | None) -> Iterator[Any]:
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers, collate_fn=collate)
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers, collate_fn=collate,
+                        generator=torch.Generator().manual_seed(0))  # evaluation draws nothing from the global RNG
     for i, batch in enumerate(loader):
         if limit is not None and i >= limit:
             return

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +27,17 @@ def json_safe(value: Any) -> Any:
 
 
 class RunLogger:
-    def __init__(self, run_dir: Path) -> None:
+    """Opens the run's logs at `start_step`: records a crashed run logged after its last
+    checkpoint are dropped (the resumed run logs those steps again), in both sinks."""
+
+    def __init__(self, run_dir: Path, start_step: int) -> None:
         self.run_dir = run_dir
-        self.tb = SummaryWriter(log_dir=str(run_dir))
-        self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        path = run_dir / "metrics.jsonl"
+        kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+                if start_step and json.loads(line)["step"] <= start_step] if path.exists() else []
+        path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        self.tb = SummaryWriter(log_dir=str(run_dir), purge_step=start_step + 1 if start_step else 0)
+        self._jsonl = open(path, "a", encoding="utf-8")
 
     def log(self, step: int, split: str, values: dict[str, Any]) -> None:
         record = {"step": step, "split": split, **values}
@@ -47,5 +55,8 @@ class RunLogger:
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Write to a temporary file and rename, so a crash never leaves a half-written file."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(json_safe(obj), indent=2) + "\n", encoding="utf-8")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(json_safe(obj), indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     tmp.replace(path)

@@ -12,7 +12,7 @@ import resource
 import sys
 import time
 from contextlib import contextmanager
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -47,6 +47,15 @@ class StepTimer:
         elif timed:
             self.durations_ms.append((time.perf_counter() - self._t0) * 1e3)
             self.samples += batch_size
+
+    def state_dict(self) -> dict[str, Any]:
+        self.flush()
+        return {"durations_ms": torch.tensor(self.durations_ms, dtype=torch.float64), "samples": self.samples,
+                "seen": self._seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.durations_ms = state["durations_ms"].tolist()
+        self.samples, self._seen = state["samples"], state["seen"]
 
     def flush(self) -> None:
         """Resolve pending CUDA events (one synchronize for all of them)."""
@@ -93,20 +102,29 @@ def peak_rss_bytes() -> int:
 
 
 class SavedActivations:
-    """Bytes of tensors autograd saves for backward, parameters excluded.
+    """Bytes of tensors autograd saves for backward, parameters (and autocast's copies of them) excluded.
 
     Counted per storage, so views of one buffer count once. This is the
     device-independent measure of the activation memory the paper halves.
     """
 
-    def __init__(self, exclude: Iterable[torch.Tensor]) -> None:
-        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self.params = {t.untyped_storage().data_ptr() for t in params}
         self.storages: dict[int, int] = {}
+
+    def _is_weight_copy(self, t: torch.Tensor) -> bool:
+        """autocast's low-precision copy of a parameter: weight memory, not an activation."""
+        fn = t.grad_fn
+        if fn is None or fn.name() != "ToCopyBackward0":
+            return False
+        source = fn.next_functions[0][0]
+        return source is not None and hasattr(source, "variable") and \
+            source.variable.untyped_storage().data_ptr() in self.params
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr not in self.exclude and ptr != 0:
+        if ptr not in self.params and ptr != 0 and not self._is_weight_copy(t):
             self.storages[ptr] = storage.nbytes()
         return t
 

@@ -79,7 +79,7 @@ class BoundParams:
 
     model_params: list[nn.Parameter]
     master_params: list[nn.Parameter] | None
-    round_grads_to: torch.dtype | None = None  # pseudo_fp16 rounds weight grads to FP16
+    storage_dtype: torch.dtype | None = None  # pseudo_fp16: grads and published weights rounded to this
 
     @property
     def optimizer_params(self) -> list[nn.Parameter]:
@@ -100,7 +100,7 @@ class BoundParams:
                 continue
             if m.grad is None:
                 m.grad = torch.empty_like(m)
-            src.append(p.grad if self.round_grads_to is None else p.grad.to(self.round_grads_to))
+            src.append(p.grad if self.storage_dtype is None else p.grad.to(self.storage_dtype))
             dst.append(m.grad)
         if dst:
             torch._foreach_copy_(dst, src)  # one fused cast-and-copy, no per-tensor sync
@@ -111,15 +111,11 @@ class BoundParams:
         if self.master_params is None:
             return
         with torch.no_grad():
-            if self.round_grads_to is None:
+            if self.storage_dtype is None:
                 torch._foreach_copy_([p.data for p in self.model_params], self.master_params)
             else:  # the model is FP32 but must hold only FP16-representable values
                 torch._foreach_copy_([p.data for p in self.model_params],
-                                     [m.to(self.round_grads_to) for m in self.master_params])
-
-    def zero_grad(self) -> None:
-        for p in self.model_params:
-            p.grad = None
+                                     [m.to(self.storage_dtype) for m in self.master_params])
 
 
 class PrecisionPolicy:
@@ -251,7 +247,7 @@ class PseudoFP16(PrecisionPolicy):
 
     def bind(self, params: Iterable[nn.Parameter]) -> BoundParams:
         bound = super().bind(params)
-        bound.round_grads_to = torch.float16
+        bound.storage_dtype = torch.float16
         return bound
 
     def cast_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:

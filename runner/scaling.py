@@ -150,7 +150,8 @@ class LogNormalScaler(LossScaler):
     S = 2^floor(log2(format_max) - cutoff). Fixes: on overflow the unscaled max
     is only known to exceed format_max / S, so log2 of that bound (not 2^16) is
     fed into the averages; and log2(format_max) of the actual format is used, not
-    a hard-coded 16. S is clamped to [min_scale or 1, max_scale or 2^24].
+    a hard-coded 16. S is clamped to [min_scale or 1, max_scale or 2^24], and an
+    overflow always shrinks S by at least backoff_factor.
     """
 
     kind = "lognormal"
@@ -186,7 +187,10 @@ class LogNormalScaler(LossScaler):
         cutoff = mu + self.z * var.sqrt()
         proposed = torch.exp2(torch.floor(log_fmax - cutoff))
         proposed = proposed.clamp(min=cfg.min_scale or 1.0, max=cfg.max_scale or 2.0**24)
-        self.scale.copy_(torch.where(seen, proposed, self.scale))
+        # After an overflow the statistics alone may propose the very S that overflowed
+        # (sigma ~ 0 early on): back off at least as far as the dynamic scaler would.
+        backed_off = torch.minimum(proposed, (self.scale * cfg.backoff_factor).clamp_min(cfg.min_scale or 1.0))
+        self.scale.copy_(torch.where(overflow, backed_off, torch.where(seen, proposed, self.scale)))
 
 
 class AutoScaler(LossScaler):

@@ -60,6 +60,10 @@ def test_help_lists_groups_and_options():
     (["data=imagefolder", "data.root=/nonexistent/imagenet"], "data=synthetic_images"),
     (["out_root=/etc/passwd/x"], "cannot write to out_dir"),
     (["-m", "precision=fp32,nope"], "unknown precision 'nope'"),
+    (["precision=mp", "scale=lognormal", "scaler.overflow_prob=0"], "scaler.overflow_prob=0.0 must be in (0, 1)"),
+    (["trainer.grad_clip=-1"], "trainer.grad_clip=-1.0 must be positive or null"),
+    (["data.batch_size=0"], "data.batch_size=0"),
+    (["model.depth=[1,1]"], "needs 4 stages"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, args, message):
     if not any(a.startswith("out_root") for a in args):

@@ -107,6 +107,9 @@ def test_abort_after_consecutive_skips_marks_diverged_and_keeps_results(tiny_cfg
     assert summary["diverged"] and "3 consecutive" in summary["diverged_reason"]
     assert summary["steps"] == 5 and summary["skipped_steps"] == 3
     assert (run_dir / "checkpoint.pt").exists() and (run_dir / "metrics.jsonl").exists()
+    rerun = train(tiny_cfg("precision=mp", "scale=8", "trainer.max_steps=10", "trainer.abort_after_skips=3",
+                           "debug.nonfinite_steps=[2,3,4,5,6]"))
+    assert rerun == json.loads(json.dumps(summary))  # an ended run is reported, not retrained
 
 
 def test_mp_activation_memory_is_about_half_of_fp32(tiny_cfg):

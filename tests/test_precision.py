@@ -31,7 +31,7 @@ def sgd_step(policy, model, bound, opt, scaler, loss_weight: float) -> None:
     assert not scaler.unscale_(grads).item()
     opt.step()
     bound.publish()
-    bound.zero_grad()
+    model.zero_grad(set_to_none=True)
 
 
 def test_mp_keeps_fp32_master_and_fp16_model_with_fp32_batchnorm():

@@ -88,10 +88,20 @@ def test_lognormal_overflow_feeds_the_bound_not_two_to_the_16():
     cfg = ScalerConfig(beta1=0.0, beta2=0.0, init_scale=2.0**12)
     s = LogNormalScaler(0, cfg, FP16_MAX, CPU)
     s.update(torch.tensor(1.0), torch.tensor(float("inf")), 0)
-    # The unscaled max is only known to exceed 65504 / 2^12, so x = log2(65504) - 12 ~ 4 and
-    # S = 2^floor(15.9993 - 3.9993) = 2^12. OpenSeq2Seq fed x = 2^16 here, which would give S = 1.
+    # The unscaled max is only known to exceed 65504 / 2^12, so x = log2(65504) - 12 ~ 4 and the
+    # statistics propose S = 2^floor(15.9993 - 3.9993) = 2^12, the scale that just overflowed; the
+    # back-off rule caps it at 2^12 * 0.5. OpenSeq2Seq fed x = 2^16 here, which would give S = 1.
     assert float(s.mean_hat) == pytest.approx(math.log2(FP16_MAX) - 12)
-    assert float(s.scale) == 2.0**12
+    assert float(s.scale) == 2.0**11
+
+
+def test_lognormal_backs_off_on_every_overflow():
+    s = LogNormalScaler(0, ScalerConfig(init_scale=2.0**16), FP16_MAX, CPU)
+    trajectory = [float(s.scale)]
+    for _ in range(4):  # repeated overflows: never propose the scale that just overflowed again
+        s.update(torch.tensor(1.0), torch.tensor(float("inf")), 0)
+        trajectory.append(float(s.scale))
+    assert all(new <= old / 2 for old, new in zip(trajectory, trajectory[1:])), trajectory
 
 
 @pytest.mark.parametrize("text,expected", [("none", ("none", 1.0)), ("dynamic", ("dynamic", 1.0)),
