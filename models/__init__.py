@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from models.resnet50 import ResNet50Task
+from models.ssd import SSDTask
 from runner.task import Task
 
 TASKS: dict[str, type[Task]] = {
     "resnet50": ResNet50Task,
+    "ssd": SSDTask,
 }
