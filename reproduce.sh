@@ -30,19 +30,19 @@ run_tests() {
 
 quick_reproduction() {
   local out=outputs/reproduce
-  local run=("$VENV/bin/mpt-run" "out_root=$out")
+  run() { "$VENV/bin/mpt-run" "$@" "out_root=$out"; }  # overrides after -m: argparse wants flags first
   echo "== ResNet-50 (narrow, synthetic images): FP32 baseline, the paper's MP, torch.amp"
-  "${run[@]}" -m experiment=quick_resnet50 precision=fp32,mp,amp
+  run -m experiment=quick_resnet50 precision=fp32,mp,amp
   # FP16 arithmetic is emulated on CPUs (~14x slower than FP32 here), so without a GPU the SSD
   # comparison uses pseudo_fp16: the same FP16 storage (underflow and overflow included) with FP32
   # math, which the paper (4.3) argues is numerically equivalent. On a GPU it is the real mp.
   local ssd_mp=mp
   "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' || ssd_mp=pseudo_fp16
   echo "== SSD (reduced, synthetic detection): FP32, $ssd_mp with loss scale 8, $ssd_mp without scaling"
-  "${run[@]}" -m experiment=quick_ssd precision=fp32
-  "${run[@]}" -m experiment=quick_ssd precision=$ssd_mp scale=8,none
+  run -m experiment=quick_ssd precision=fp32
+  run -m experiment=quick_ssd precision=$ssd_mp scale=8,none
   echo "== Gradient statistics (paper Fig. 2b/3 and 3.1): ResNet-50, FP16 storage emulated, loss scale 8"
-  "${run[@]}" experiment=quick_resnet50 precision=pseudo_fp16 scale=8 stats.enabled=true stats.every=50
+  run experiment=quick_resnet50 precision=pseudo_fp16 scale=8 stats.enabled=true stats.every=50
   "$VENV/bin/mpt-figures" "$out/resnet50/pseudo_fp16-8/seed0"
   echo "== FP32 vs reduced precision ($out/report.md)"
   "$VENV/bin/mpt-report" "$out" --out "$out/report.md"
