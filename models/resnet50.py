@@ -15,7 +15,6 @@ from torchvision.models.resnet import Bottleneck, ResNet
 
 from data.imagefolder import ImageFolderConfig, build_imagefolder, check_imagefolder
 from data.synthetic_images import SyntheticImages, SyntheticImagesConfig
-from runner.config import section
 from runner.errors import UserError
 from runner.task import Batch, EvalResult, StepFn, Task
 
@@ -46,18 +45,14 @@ class ScaledResNet(ResNet):
         return super()._make_layer(block, max(1, round(planes * self.width)), blocks, stride, dilate)
 
 
-DATA_SOURCES = {"synthetic_images": SyntheticImagesConfig, "imagefolder": ImageFolderConfig}
-
-
 class ResNet50Task(Task):
     name = "resnet50"
     metric_name = "top1"
+    model_schema = ResNet50Config
+    data_sources = {"synthetic_images": SyntheticImagesConfig, "imagefolder": ImageFolderConfig}
 
     def __init__(self, model_cfg: Any, data_cfg: Any, seed: int) -> None:
-        super().__init__(section(ResNet50Config, model_cfg, "model"), None, seed)
-        if data_cfg.name not in DATA_SOURCES:
-            raise UserError(f"model resnet50 cannot use data={data_cfg.name}; choose one of: {', '.join(DATA_SOURCES)}")
-        self.data_cfg = section(DATA_SOURCES[data_cfg.name], data_cfg, "data")
+        super().__init__(model_cfg, data_cfg, seed)
         self._num_classes: int | None = None
 
     def check_data(self) -> None:

@@ -30,7 +30,6 @@ from torchvision.ops import box_iou
 from data.synthetic_detection import SyntheticDetection, SyntheticDetectionConfig
 from data.voc import VOC_CLASSES, VOCConfig, VOCDetection, check_voc
 from models.voc_map import AP_VERSIONS, VOCMeanAP
-from runner.config import section
 from runner.errors import UserError
 from runner.task import Batch, EvalResult, StepFn, Task
 
@@ -194,15 +193,14 @@ def default_boxes(ssd: SSD, image_size: int) -> Tensor:
     return ssd.anchor_generator(ImageList(images, [(image_size, image_size)]), features)[0]
 
 
-DATA_SOURCES = {"voc": VOCConfig, "synthetic_detection": SyntheticDetectionConfig}
-
-
 class SSDTask(Task):
     name = "ssd"
     metric_name = "mAP"
+    model_schema = SSDConfig
+    data_sources = {"voc": VOCConfig, "synthetic_detection": SyntheticDetectionConfig}
 
     def __init__(self, model_cfg: Any, data_cfg: Any, seed: int) -> None:
-        super().__init__(section(SSDConfig, model_cfg, "model"), None, seed)
+        super().__init__(model_cfg, data_cfg, seed)
         cfg: SSDConfig = self.model_cfg
         if cfg.variant not in VARIANTS:
             raise UserError(f"bad config: model.variant={cfg.variant!r}; choose one of: {', '.join(VARIANTS)}")
@@ -210,9 +208,6 @@ class SSDTask(Task):
             raise UserError(f"bad config: model.ap_version={cfg.ap_version!r}; choose one of: {', '.join(AP_VERSIONS)}")
         if len(cfg.image_mean) != 3 or len(cfg.image_std) != 3:
             raise UserError("bad config: model.image_mean and model.image_std need 3 values (R, G, B)")
-        if data_cfg.name not in DATA_SOURCES:
-            raise UserError(f"model ssd cannot use data={data_cfg.name}; choose one of: {', '.join(DATA_SOURCES)}")
-        self.data_cfg = section(DATA_SOURCES[data_cfg.name], data_cfg, "data")
         self.image_size = VARIANTS[cfg.variant].image_size
         self._mean = torch.tensor(cfg.image_mean).view(1, 3, 1, 1)
         self._std = torch.tensor(cfg.image_std).view(1, 3, 1, 1)

@@ -14,6 +14,9 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
+from runner.config import section
+from runner.errors import UserError
+
 # step_fn(loss, optimizer_name) -> None: backward of the (scaled) loss and the
 # optimizer step for the parameters the task listed under that name.
 StepFn = Callable[[torch.Tensor, str], None]
@@ -37,10 +40,16 @@ class Task:
     name: str = ""
     metric_name: str = ""          # headline metric key, e.g. "top1" or "mAP"
     higher_is_better: bool = True
+    model_schema: type = object    # dataclass validating the `model.*` keys
+    data_sources: dict[str, type] = {}  # data name -> dataclass validating the `data.*` keys
 
     def __init__(self, model_cfg: Any, data_cfg: Any, seed: int) -> None:
-        self.model_cfg = model_cfg
-        self.data_cfg = data_cfg
+        """Validates both config sections against the task's schemas (UserError on bad keys)."""
+        self.model_cfg = section(self.model_schema, model_cfg, "model")
+        if data_cfg.name not in self.data_sources:
+            raise UserError(f"model {self.name} cannot use data={data_cfg.name}; "
+                            f"choose one of: {', '.join(self.data_sources)}")
+        self.data_cfg = section(self.data_sources[data_cfg.name], data_cfg, "data")
         self.seed = seed
 
     # --- building -----------------------------------------------------------------
