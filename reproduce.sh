@@ -25,7 +25,7 @@ setup() {
 }
 
 run_tests() {
-  "$VENV/bin/python" -m pytest tests "$@"
+  "$VENV/bin/python" -m pytest "$@"  # no paths given: pyproject testpaths (tests/)
 }
 
 quick_reproduction() {
