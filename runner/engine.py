@@ -236,7 +236,7 @@ class Trainer:
                 grads[0].fill_(float("inf"))  # test hook: an overflow exactly here
             found_inf = self.scaler.unscale_(grads)
             self.stats.weight_grads(bound)
-            if self.scaler.wants_grad_max(self.step):
+            if self.scaler.needs_grad_max:
                 grad_max = grad_abs_max(grads)
                 self._iter_grad_max = grad_max if self._iter_grad_max is None else torch.maximum(self._iter_grad_max, grad_max)
             self._iter_found = found_inf if self._iter_found is None else torch.maximum(self._iter_found, found_inf)

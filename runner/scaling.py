@@ -60,7 +60,7 @@ class LossScaler:
     """S = 1 and the base of all scalers: unscale, check, and state handling."""
 
     kind = "none"
-    needs_grad_max_every: int = 0  # 0: never; 1: every step; N: every N-th step
+    needs_grad_max: bool = False  # lognormal: max|weight grad| every step (auto reads gradstats instead)
 
     def __init__(self, value: float, cfg: ScalerConfig, format_max: float, device: torch.device) -> None:
         self.cfg = cfg
@@ -83,10 +83,6 @@ class LossScaler:
             torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv_scale.to(dev).reshape(1))
             found_inf = torch.maximum(found_inf, flag.to(self.device).reshape(()))
         return found_inf
-
-    def wants_grad_max(self, step: int) -> bool:
-        n = self.needs_grad_max_every
-        return n > 0 and step % n == 0
 
     def update(self, found_inf: torch.Tensor, grad_max: torch.Tensor | None, step: int) -> None:
         """Choose the next S. Fixed scalers keep theirs."""
@@ -155,7 +151,7 @@ class LogNormalScaler(LossScaler):
     """
 
     kind = "lognormal"
-    needs_grad_max_every = 1
+    needs_grad_max = True
 
     def __init__(self, value: float, cfg: ScalerConfig, format_max: float, device: torch.device) -> None:
         super().__init__(cfg.init_scale, cfg, format_max, device)
