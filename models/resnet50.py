@@ -16,7 +16,7 @@ from torchvision.models.resnet import Bottleneck, ResNet
 from data.imagefolder import ImageFolderConfig, build_imagefolder, check_imagefolder
 from data.synthetic_images import SyntheticImages, SyntheticImagesConfig
 from runner.errors import UserError
-from runner.task import Batch, EvalResult, StepFn, Task
+from runner.task import Batch, EvalResult, StepContext, Task
 
 
 @dataclass
@@ -79,14 +79,14 @@ class ResNet50Task(Task):
         c = self.model_cfg
         return ScaledResNet(c.width, list(c.depth), self._num_classes, c.zero_init_residual)
 
-    def train_step(self, model: nn.Module, batch: Batch, step_fn: StepFn) -> dict[str, torch.Tensor]:
+    def train_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> dict[str, torch.Tensor]:
         logits = model(batch["input"])
         loss = F.cross_entropy(logits, batch["target"])
-        step_fn(loss, "main")
+        ctx.optimize(loss)
         return {"loss": loss.detach()}
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, batches: Iterable[Batch]) -> EvalResult:
+    def evaluate(self, model: nn.Module, batches: Iterable[Batch], ctx: StepContext) -> EvalResult:
         correct1 = correct5 = total = 0
         loss_sum = torch.zeros(())
         for batch in batches:

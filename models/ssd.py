@@ -31,7 +31,7 @@ from data.synthetic_detection import SyntheticDetection, SyntheticDetectionConfi
 from data.voc import VOC_CLASSES, VOCConfig, VOCDetection, check_voc
 from models.voc_map import AP_VERSIONS, VOCMeanAP
 from runner.errors import UserError
-from runner.task import Batch, EvalResult, StepFn, Task
+from runner.task import Batch, EvalResult, StepContext, Task
 
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
@@ -263,7 +263,7 @@ class SSDTask(Task):
             return torch.full((anchors.shape[0],), -1, dtype=torch.int64, device=anchors.device)
         return self._ssd.proposal_matcher(box_iou(gt_boxes, anchors))
 
-    def train_step(self, model: nn.Module, batch: Batch, step_fn: StepFn) -> dict[str, Tensor]:
+    def train_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> dict[str, Tensor]:
         head = model(batch["input"])
         targets = batch["target"]
         anchors = self._anchors_on(head["cls_logits"].device)
@@ -271,11 +271,11 @@ class SSDTask(Task):
         losses = self._ssd.compute_loss(targets, head, [anchors] * len(targets), matched)
         bbox_loss, cls_loss = losses["bbox_regression"], losses["classification"]
         loss = bbox_loss + cls_loss
-        step_fn(loss, "main")
+        ctx.optimize(loss)
         return {"loss": loss.detach(), "bbox_loss": bbox_loss.detach(), "cls_loss": cls_loss.detach()}
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, batches: Iterable[Batch]) -> EvalResult:
+    def evaluate(self, model: nn.Module, batches: Iterable[Batch], ctx: StepContext) -> EvalResult:
         names = self.class_names
         evaluator = VOCMeanAP(len(names))
         sizes = [(self.image_size, self.image_size)]

@@ -7,7 +7,7 @@ keys are validated by the selected Task's own schema (models/<name>.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
@@ -19,9 +19,10 @@ from runner.scaling import ScalerConfig
 
 
 @dataclass
-class TrainerConfig:
-    max_steps: int = 200
-    epochs: int | None = None          # if set, overrides max_steps with epochs * batches per epoch
+class OptimizerConfig:
+    """One optimizer and its LR schedule. trainer.* holds the defaults for every optimizer;
+    trainer.optimizers.<name>.* overrides them for the task's optimizer <name>."""
+
     optimizer: str = "sgd"             # sgd | adam | adamw | adagrad
     lr: float = 0.1
     momentum: float = 0.9
@@ -29,12 +30,20 @@ class TrainerConfig:
     weight_decay: float = 1e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
+    initial_accumulator_value: float = 0.0  # adagrad
     schedule: str = "cosine"           # constant | cosine | step
     milestones: list[int] = field(default_factory=list)  # step schedule: multiply lr by gamma at these points
     schedule_unit: str = "steps"       # steps | epochs: the unit of milestones and warmup_steps
     gamma: float = 0.1
     warmup_steps: int = 0              # linear warm-up from 0 to lr
     grad_clip: float | None = None     # max global L2 norm of (unscaled) gradients
+
+
+@dataclass
+class TrainerConfig(OptimizerConfig):
+    max_steps: int = 200
+    epochs: int | None = None          # if set, overrides max_steps with epochs * batches per epoch
+    optimizers: dict[str, Any] = field(default_factory=dict)  # per-optimizer overrides of the keys above
     log_every: int = 10
     eval_every: int = 0                # 0: evaluate only at the end
     eval_batches: int | None = None    # limit evaluation to this many batches
@@ -43,6 +52,20 @@ class TrainerConfig:
     deterministic: bool = False        # torch.use_deterministic_algorithms + cudnn deterministic
     checkpoint_every: int = 0          # 0: checkpoint only at the end
     resume: str = "auto"               # auto: continue from out_dir/checkpoint.pt if present | never
+
+    def for_optimizer(self, name: str) -> OptimizerConfig:
+        """The settings of optimizer `name`: trainer.* with trainer.optimizers.<name>.* on top."""
+        base = OptimizerConfig(**{f.name: getattr(self, f.name) for f in fields(OptimizerConfig)})
+        overrides = self.optimizers.get(name)
+        if not overrides:
+            return base
+        try:
+            merged = OmegaConf.merge(OmegaConf.structured(base), overrides)
+            chosen: OptimizerConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+        except OmegaConfBaseException as exc:
+            raise UserError(f"bad config: trainer.optimizers.{name}.{one_line(exc)}") from None
+        check_optimizer(chosen, f"trainer.optimizers.{name}")
+        return chosen
 
 
 @dataclass
@@ -72,14 +95,6 @@ class RootConfig:
     debug: DebugConfig = field(default_factory=DebugConfig)
 
 
-_CHOICES = {
-    "trainer.optimizer": ("sgd", "adam", "adamw", "adagrad"),
-    "trainer.schedule": ("constant", "cosine", "step"),
-    "trainer.resume": ("auto", "never"),
-    "trainer.schedule_unit": ("steps", "epochs"),
-}
-
-
 def _positive(v: Any) -> bool:
     return v > 0
 
@@ -96,14 +111,30 @@ def _fraction(v: Any) -> bool:
     return 0 <= v < 1
 
 
-# Numeric keys whose range the types cannot express; key -> (test, what it must be).
-_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    **{f"trainer.{k}": (_positive, "positive") for k in ("max_steps", "log_every", "lr", "eps", "gamma")},
+Check = tuple[Callable[[Any], bool], str]  # (test, what the value must be)
+
+# Keys of one optimizer (trainer.* and each trainer.optimizers.<name>.*).
+_OPTIMIZER_CHOICES: dict[str, tuple[str, ...]] = {
+    "optimizer": ("sgd", "adam", "adamw", "adagrad"),
+    "schedule": ("constant", "cosine", "step"),
+    "schedule_unit": ("steps", "epochs"),
+}
+_OPTIMIZER_RANGES: dict[str, Check] = {
+    **{k: (_positive, "positive") for k in ("lr", "eps", "gamma")},
+    **{k: (_non_negative, "zero or more") for k in (
+        "momentum", "weight_decay", "warmup_steps", "initial_accumulator_value")},
+    "grad_clip": (_positive_or_null, "positive or null"),
+    "betas": (lambda v: len(v) == 2 and all(map(_fraction, v)), "two numbers in [0, 1)"),
+    "milestones": (lambda v: all(m > 0 for m in v), "positive numbers"),
+}
+
+# Other numeric keys whose range the types cannot express.
+_CHOICES: dict[str, tuple[str, ...]] = {"trainer.resume": ("auto", "never")}
+_RANGES: dict[str, Check] = {
+    **{f"trainer.{k}": (_positive, "positive") for k in ("max_steps", "log_every")},
     **{f"trainer.{k}": (_non_negative, "zero or more") for k in (
-        "momentum", "weight_decay", "warmup_steps", "eval_every", "timing_warmup_steps", "abort_after_skips",
-        "checkpoint_every")},
-    **{f"trainer.{k}": (_positive_or_null, "positive or null") for k in ("epochs", "grad_clip", "eval_batches")},
-    "trainer.betas": (lambda v: len(v) == 2 and all(map(_fraction, v)), "two numbers in [0, 1)"),
+        "eval_every", "timing_warmup_steps", "abort_after_skips", "checkpoint_every")},
+    **{f"trainer.{k}": (_positive_or_null, "positive or null") for k in ("epochs", "eval_batches")},
     **{f"scaler.{k}": (_positive, "positive") for k in ("init_scale", "growth_interval", "auto_every")},
     **{f"scaler.{k}": (_positive_or_null, "positive or null") for k in ("min_scale", "max_scale")},
     "scaler.growth_factor": (lambda v: v > 1, "greater than 1"),
@@ -123,6 +154,21 @@ def one_line(exc: OmegaConfBaseException) -> str:
     return f"{key}: {msg}" if key else msg
 
 
+def _check(value: Any, key: str, choices: tuple[str, ...] | None, check: Check | None) -> None:
+    if choices is not None and value not in choices:
+        raise UserError(f"bad config: {key}={value!r}; choose one of: {', '.join(choices)}")
+    if check is not None and not check[0](value):
+        raise UserError(f"bad config: {key}={value} must be {check[1]}")
+
+
+def check_optimizer(cfg: OptimizerConfig, prefix: str) -> None:
+    """Choices and ranges of one optimizer's settings; `prefix` names where they came from."""
+    for name in {**_OPTIMIZER_CHOICES, **_OPTIMIZER_RANGES}:
+        _check(getattr(cfg, name), f"{prefix}.{name}", _OPTIMIZER_CHOICES.get(name), _OPTIMIZER_RANGES.get(name))
+    if cfg.nesterov and cfg.momentum <= 0:
+        raise UserError(f"bad config: {prefix}.nesterov=true needs {prefix}.momentum > 0")
+
+
 def validate(cfg: DictConfig) -> RootConfig:
     """Composed config -> typed RootConfig, or UserError naming the bad key."""
     plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
@@ -132,18 +178,12 @@ def validate(cfg: DictConfig) -> RootConfig:
         root: RootConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
         raise UserError(f"bad config: {one_line(exc)}") from None
-    for key, allowed in _CHOICES.items():
-        section, name = key.split(".")
-        value = getattr(getattr(root, section), name)
-        if value not in allowed:
-            raise UserError(f"bad config: {key}={value!r}; choose one of: {', '.join(allowed)}")
-    for key, (ok, requirement) in _RANGES.items():
-        section, name = key.split(".")
-        value = getattr(getattr(root, section), name)
-        if not ok(value):
-            raise UserError(f"bad config: {key}={value} must be {requirement}")
-    if root.trainer.nesterov and root.trainer.momentum <= 0:
-        raise UserError("bad config: trainer.nesterov=true needs trainer.momentum > 0")
+    for key in {**_CHOICES, **_RANGES}:
+        section_name, name = key.split(".")
+        _check(getattr(getattr(root, section_name), name), key, _CHOICES.get(key), _RANGES.get(key))
+    check_optimizer(root.trainer, "trainer")
+    for name in root.trainer.optimizers:
+        root.trainer.for_optimizer(name)  # checks the overrides of every named optimizer
     if root.device not in ("auto", "cpu") and not root.device.startswith("cuda"):
         raise UserError(f"bad config: device={root.device!r}; use auto, cpu, cuda or cuda:N")
     return root

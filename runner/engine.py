@@ -1,19 +1,18 @@
 """The training loop shared by every model and precision mode.
 
 train(cfg) takes a composed config (no Hydra runtime needed, so tests call it
-directly) and returns the run summary. One step, whatever the precision:
+directly) and returns the run summary. One iteration, whatever the precision:
 
-    batch -> policy.cast_inputs -> with policy.autocast(): task.train_step(model, batch, step_fn)
-    step_fn(loss, name):  scaler.scale_loss(loss).backward()
-                          grads = params[name].grads_for_update()      # to FP32 master if any
-                          found_inf = scaler.unscale_(grads)           # no host sync
-                          if not found_inf.item():                     # the one sync per optimizer step
-                              clip; optimizer.step(); scheduler.step(); params[name].publish()
-    scaler.update(found_inf, grad_max)                                 # once per iteration, on device
+    host batch -> count = task.count(batch) -> to device (except task.host_keys) -> policy.cast_inputs
+    ctx.begin(step)                                     # step: 1-based, the number the logs show
+    with policy.autocast(): task.train_step(model, batch, ctx)
+        ctx.backward(loss, name) / ctx.step(name)       # runner/step.py: per-optimizer master
+                                                        # weights, unscale, skip, clip, publish
+    ctx.finish_iteration(...)                           # every stepped optimizer's scaler, on device
 
 Gradient statistics (runner/gradstats.py) bracket an iteration with stats.begin(step) /
-stats.end(step, S) and look at the unscaled grads and the optimizer step; between sampled
-steps every one of those calls returns at once. stats.end also hands scale=auto its max|grad|.
+stats.end(step, S); between sampled steps every one of those calls returns at once.
+stats.end also hands scale=auto its max|grad|.
 """
 from __future__ import annotations
 
@@ -36,13 +35,15 @@ from runner import checkpoint
 from runner.config import RootConfig, validate
 from runner.errors import UserError
 from runner.gradstats import GradStats
-from runner.loader import batches_per_epoch, eval_batches, train_batches
+from runner.loader import check_plan, epoch_batches, eval_batches, train_batches
 from runner.logs import RunLogger, write_json_atomic
 from runner.measure import SavedActivations, StepTimer, memory_report
 from runner.optim import build_optimizer, build_scheduler
-from runner.precision import BoundParams, PrecisionPolicy, make_policy, map_tensors
-from runner.scaling import AutoScaler, LossScaler, grad_abs_max, make_scaler, parse_scale
+from runner.precision import PrecisionPolicy, make_policy
+from runner.scaling import AutoScaler, make_scaler, parse_scale
+from runner.step import OptimizerSlot, TrainStep
 from runner.task import Batch, Task
+from runner.trees import to_device
 
 log = logging.getLogger("mpt")
 
@@ -101,6 +102,13 @@ class RunPlan:
     run_dir: Path
 
 
+def check_optimizer_names(root: RootConfig, task: Task) -> None:
+    unknown = sorted(set(root.trainer.optimizers) - set(task.optimizer_names))
+    if unknown:
+        raise UserError(f"bad config: trainer.optimizers.{unknown[0]}: model {task.name} has no optimizer "
+                        f"{unknown[0]!r}; its optimizers are: {', '.join(task.optimizer_names)}")
+
+
 def check_run(cfg: DictConfig) -> RunPlan:
     """Validate a composed config; raises UserError with a one-line fix on bad input."""
     root = validate(cfg)
@@ -111,6 +119,7 @@ def check_run(cfg: DictConfig) -> RunPlan:
     policy = make_policy(root.precision.name, device)
     check_precision_scale(root, policy)
     task = TASKS[name](cfg.model, cfg.data, root.seed)
+    check_optimizer_names(root, task)
     task.check_data()
     return RunPlan(root, device, policy, task, prepare_run_dir(root.out_dir))
 
@@ -132,36 +141,48 @@ class Trainer:
         self.batch_size = data.batch_size
         self.eval_batch_size = data.eval_batch_size or data.batch_size
         self.num_workers = data.num_workers
-        per_epoch = batches_per_epoch(self.train_set, self.batch_size)
+        first_epoch = epoch_batches(self.epoch_plan, root.seed, 0)
+        check_plan(first_epoch, self.train_set, self.batch_size)
+        per_epoch = len(first_epoch)  # epochs=N and schedule_unit=epochs count epoch 0's batches
         self.total_steps = self.t.epochs * per_epoch if self.t.epochs else self.t.max_steps
 
         self.model = self.policy.prepare_model(self.task.build_model().to(self.device))
-        self.params: dict[str, BoundParams] = {
-            name: self.policy.bind(ps) for name, ps in self.task.optimizer_params(self.model).items()}
-        self.optimizers = {name: build_optimizer(self.t, b.optimizer_params) for name, b in self.params.items()}
-        self.schedulers = {name: build_scheduler(self.t, opt, self.total_steps, per_epoch)
-                           for name, opt in self.optimizers.items()}
-        format_max = torch.finfo(self.policy.low_dtype or torch.float32).max
-        self.scaler: LossScaler = make_scaler(root.scale, root.scaler, format_max, self.device)
+        self.slots = self.build_slots(per_epoch)
         # Gradient statistics; scale=auto reads its max|grad| from them every auto_every steps.
-        self.stats = GradStats(root.stats, self.model, self.run_dir, self.policy.low_dtype,
-                               scaler_every=self.scaler.stats_every if isinstance(self.scaler, AutoScaler) else 0)
+        auto_every = root.scaler.auto_every if any(isinstance(s.scaler, AutoScaler) for s in self.slots.values()) else 0
+        self.stats = GradStats(root.stats, self.model, self.run_dir, self.policy.low_dtype, scaler_every=auto_every)
+        self.ctx = TrainStep(self.policy, self.slots, self.stats, root.debug.nonfinite_steps)
 
-        self.step = 0
-        self.samples = 0
-        self.skipped_steps = 0
-        self.consecutive_skips = 0
+        self.step = 0      # optimizer iterations done; the iteration in progress is number step + 1
+        self.samples = 0   # sum of task.count(batch): samples, tokens, ... (task.count_unit)
         self.activation_bytes: int | None = None
+        self.measured_on: dict[str, int] | None = None  # the batch activations were measured on
         self.timer = StepTimer(self.device, self.t.timing_warmup_steps)
-        # per-iteration scaler inputs, filled by step_fn
-        self._iter_found: torch.Tensor | None = None
-        self._iter_grad_max: torch.Tensor | None = None
         self._window_overflows = 0
         self._log_sums: dict[str, torch.Tensor] = {}
         self._log_count = 0
         self.diverged_reason: str | None = None
         self._wall_start = time.perf_counter()
         self._wall_before = 0.0  # wall time of earlier segments of a resumed run
+
+    def epoch_plan(self, generator: torch.Generator) -> list[list[int]]:
+        return self.task.epoch_batches(self.train_set, self.batch_size, generator)
+
+    def build_slots(self, per_epoch: int) -> dict[str, OptimizerSlot]:
+        specs = self.task.optimizer_params(self.model)
+        if set(specs) != set(self.task.optimizer_names):
+            raise RuntimeError(f"{type(self.task).__name__}.optimizer_params() returned {sorted(specs)}, "
+                               f"but its optimizer_names are {list(self.task.optimizer_names)}")
+        format_max = torch.finfo(self.policy.low_dtype or torch.float32).max
+        slots = {}
+        for name, spec in specs.items():
+            cfg = self.t.for_optimizer(name)
+            bound = self.policy.bind(spec)
+            optimizer = build_optimizer(cfg, bound.optimizer_groups)
+            slots[name] = OptimizerSlot(
+                name, cfg, bound, optimizer, build_scheduler(cfg, optimizer, self.total_steps, per_epoch),
+                make_scaler(self.root.scale, self.root.scaler, format_max, self.device))
+        return slots
 
     # --- identity / checkpoint -------------------------------------------------------
     def identity(self) -> dict[str, Any]:
@@ -171,18 +192,17 @@ class Trainer:
         return {
             "identity": self.identity(),
             "step": self.step, "samples": self.samples,
-            "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
             "model": self.model.state_dict(),
-            "master": {n: [m.detach() for m in b.master_params] for n, b in self.params.items()
-                       if b.master_params is not None},
-            "optimizers": {n: o.state_dict() for n, o in self.optimizers.items()},
-            "schedulers": {n: s.state_dict() for n, s in self.schedulers.items()},
-            "scaler": self.scaler.state_dict(),
+            "slots": {n: slot.state_dict() for n, slot in self.slots.items()},
+            "task": self.task.state_dict(),
             "rng": checkpoint.rng_state(),
             "diverged_reason": self.diverged_reason,
+            # the open logging window, so the first record after a resume averages the same steps
+            "window": {"sums": {k: v.detach().cpu() for k, v in self._log_sums.items()},
+                       "count": self._log_count, "overflows": self._window_overflows},
             # so a resumed run's summary covers the whole run, not only its last part
-            "measurements": {"activation_bytes": self.activation_bytes, "timer": self.timer.state_dict(),
-                             "wall_s": self.wall_s()},
+            "measurements": {"activation_bytes": self.activation_bytes, "measured_on": self.measured_on,
+                             "timer": self.timer.state_dict(), "wall_s": self.wall_s()},
         }
 
     def load_state_dict(self, state: dict[str, Any], path: Path) -> None:
@@ -190,20 +210,17 @@ class Trainer:
             raise UserError(f"checkpoint {path} belongs to {state.get('identity')}, not {self.identity()}; "
                             f"use another out_dir or trainer.resume=never")
         self.step, self.samples = state["step"], state["samples"]
-        self.skipped_steps, self.consecutive_skips = state["skipped_steps"], state["consecutive_skips"]
         self.model.load_state_dict(state["model"])
-        with torch.no_grad():
-            for name, masters in state["master"].items():
-                torch._foreach_copy_(self.params[name].master_params, [m.to(self.device) for m in masters])
-        for name, opt in self.optimizers.items():
-            opt.load_state_dict(state["optimizers"][name])
-        for name, sched in self.schedulers.items():
-            sched.load_state_dict(state["schedulers"][name])
-        self.scaler.load_state_dict(state["scaler"])
+        for name, slot in self.slots.items():
+            slot.load_state_dict(state["slots"][name])
+        self.task.load_state_dict(state["task"])
         checkpoint.set_rng_state(state["rng"])
         self.diverged_reason = state["diverged_reason"]
+        window = state["window"]
+        self._log_sums = {k: v.to(self.device) for k, v in window["sums"].items()}
+        self._log_count, self._window_overflows = window["count"], window["overflows"]
         measured = state["measurements"]
-        self.activation_bytes = measured["activation_bytes"]
+        self.activation_bytes, self.measured_on = measured["activation_bytes"], measured["measured_on"]
         self.timer.load_state_dict(measured["timer"])
         self._wall_before = measured["wall_s"]
 
@@ -225,71 +242,68 @@ class Trainer:
         log.info("resumed from %s at step %d", path, self.step)
         return self.step >= self.total_steps or self.diverged_reason is not None
 
-    # --- one optimizer step ----------------------------------------------------------------
-    def step_fn(self, loss: torch.Tensor, name: str) -> None:
-        bound, opt = self.params[name], self.optimizers[name]
-        with torch.autocast(self.device.type, enabled=False):  # backward and update never autocast
-            self.model.zero_grad(set_to_none=True)
-            self.scaler.scale_loss(loss).backward()
-            grads = bound.grads_for_update()
-            if self.step in self.root.debug.nonfinite_steps and grads:
-                grads[0].fill_(float("inf"))  # test hook: an overflow exactly here
-            found_inf = self.scaler.unscale_(grads)
-            self.stats.weight_grads(bound)
-            if self.scaler.needs_grad_max:
-                grad_max = grad_abs_max(grads)
-                self._iter_grad_max = grad_max if self._iter_grad_max is None else torch.maximum(self._iter_grad_max, grad_max)
-            self._iter_found = found_inf if self._iter_found is None else torch.maximum(self._iter_found, found_inf)
-            if found_inf.item():  # the one host sync per optimizer step: skip needs the host
-                self.skipped_steps += 1
-                return
-            if self.t.grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(bound.optimizer_params, self.t.grad_clip, foreach=True)
-            with self.stats.measure_update(bound, opt):
-                opt.step()
-            self.schedulers[name].step()
-            bound.publish()
-
-    def train_iteration(self, batch: Batch, record_activations: bool) -> dict[str, torch.Tensor]:
-        self._iter_found, self._iter_grad_max = None, None
-        self.stats.begin(self.step)
-        recorder = SavedActivations(self.model.parameters()) if record_activations else None
+    # --- one iteration ---------------------------------------------------------------
+    def train_iteration(self, batch: Batch, measure_memory: bool) -> tuple[dict[str, torch.Tensor], bool]:
+        """Runs iteration number step + 1; returns the task's logs and whether any optimizer skipped."""
+        number = self.step + 1
+        self.ctx.begin(number)
+        self.ctx.measure_grad_bytes = measure_memory
+        self.stats.begin(number)
+        recorder = SavedActivations(self.model.parameters()) if measure_memory else None
         with (recorder.recording() if recorder else contextlib.nullcontext()), self.policy.autocast():
-            logs = self.task.train_step(self.model, batch, self.step_fn)
+            logs = self.task.train_step(self.model, batch, self.ctx)
         if recorder:
             self.activation_bytes = recorder.total
-        found = self._iter_found if self._iter_found is not None else torch.zeros((), device=self.device)
-        stats_max = self.stats.end(self.step, self.scaler.scale)  # auto's max|grad| on its steps, else None
-        self.scaler.update(found, self._iter_grad_max if stats_max is None else stats_max, self.step)
-        return logs
+        first = next(iter(self.slots.values()))
+        stats_max = self.stats.end(number, first.scaler.scale)  # auto's max|grad| on its steps, else None
+        return logs, self.ctx.finish_iteration(stats_max)
 
     # --- the loop -------------------------------------------------------------------
     def to_device(self, batch: Batch) -> Batch:
-        moved = map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
-        return self.policy.cast_inputs(moved)
+        host = {k: v for k, v in batch.items() if k in self.task.host_keys}
+        moved = to_device({k: v for k, v in batch.items() if k not in self.task.host_keys}, self.device)
+        return self.policy.cast_inputs({**moved, **host})
 
     def evaluate(self) -> dict[str, float]:
         self.model.eval()
         batches = (self.to_device(b) for b in eval_batches(self.eval_set, self.eval_batch_size, self.num_workers,
                                                            self.task.collate, self.t.eval_batches))
         with torch.no_grad(), self.policy.autocast():
-            result = self.task.evaluate(self.model, batches)
+            result = self.task.evaluate(self.model, batches, self.ctx)
         self.model.train()
         return result.metrics
 
     def log_train(self, logger: RunLogger) -> None:
         values = {k: float(v) / self._log_count for k, v in self._log_sums.items()}
+        slots = list(self.slots.values())
         values.update({
-            "lr": self.optimizers[next(iter(self.optimizers))].param_groups[0]["lr"],
+            "lr": slots[0].lr,
             "samples_per_s": self.timer.recent_samples_per_s(self.t.log_every),
-            "loss_scale": float(self.scaler.scale),
+            "loss_scale": float(slots[0].scaler.scale),
             "overflow": self._window_overflows,
-            "skipped_steps": self.skipped_steps,
+            "skipped_steps": sum(s.skipped_steps for s in slots),
         })
+        if len(slots) > 1:  # every optimizer's own lr, scale and skips
+            for s in slots:
+                values.update({f"lr_{s.name}": s.lr, f"loss_scale_{s.name}": float(s.scaler.scale),
+                               f"skipped_steps_{s.name}": s.skipped_steps})
         logger.log(self.step, "train", values)
         log.info("step %d/%d loss %.4f lr %.4g scale %g skipped %d", self.step, self.total_steps,
-                 values.get("loss", float("nan")), values["lr"], values["loss_scale"], self.skipped_steps)
+                 values.get("loss", float("nan")), values["lr"], values["loss_scale"], values["skipped_steps"])
         self._log_sums, self._log_count, self._window_overflows = {}, 0, 0
+        bad = sorted(k for k in logs_checked(values) if not math.isfinite(values[k]))
+        if bad and self.diverged_reason is None:
+            self.diverged_reason = f"logged {', '.join(bad)} non-finite at step {self.step}"
+            log.warning("diverged: %s", self.diverged_reason)
+
+    def check_skips(self) -> None:
+        limit = self.t.abort_after_skips
+        for s in self.slots.values():
+            if limit and s.consecutive_skips >= limit and self.diverged_reason is None:
+                self.diverged_reason = (f"{s.consecutive_skips} consecutive skipped steps of optimizer {s.name} "
+                                        f"(non-finite gradients up to step {self.step}, loss scale "
+                                        f"{float(s.scaler.scale):g})")
+                log.warning("diverged: %s", self.diverged_reason)
 
     def run(self) -> dict[str, Any]:
         summary_path = self.run_dir / "summary.json"
@@ -299,33 +313,36 @@ class Trainer:
         logger = RunLogger(self.run_dir, self.step)
         self.stats.open(logger.tb)
         self.model.train()
-        stream = train_batches(self.train_set, self.batch_size, self.num_workers, self.task.collate,
-                               self.root.seed, self.step)
+        stream = train_batches(self.train_set, self.epoch_plan, self.num_workers, self.task.collate,
+                               self.root.seed, self.step, self.task.reset_state)
+        largest = -1 if self.measured_on is None else self.measured_on["count"]
         try:
             while self.step < self.total_steps and self.diverged_reason is None:
-                batch = self.to_device(next(stream))
+                host_batch = next(stream)
+                count = self.task.count(host_batch)
+                batch = self.to_device(host_batch)
+                # Activation memory is measured on the largest batch so far (for fixed-size
+                # batches: once, on the first), so a short first batch cannot under-report.
+                measure = count > largest
                 self.timer.start()
-                skipped_before = self.skipped_steps
-                logs = self.train_iteration(batch, record_activations=self.activation_bytes is None)
-                self.timer.stop(self.batch_size)
-                skipped_now = self.skipped_steps > skipped_before
-                self._window_overflows += int(skipped_now)
-                self.consecutive_skips = self.consecutive_skips + 1 if skipped_now else 0
+                logs, skipped = self.train_iteration(batch, measure_memory=measure)
+                self.timer.stop(count)
+                if measure:
+                    largest = count
+                    self.measured_on = {"step": self.step + 1, "count": count}
+                self._window_overflows += int(skipped)
                 for k, v in logs.items():
                     self._log_sums[k] = self._log_sums.get(k, 0) + v.detach().float()
                 self._log_count += 1
                 self.step += 1
-                self.samples += self.batch_size
+                self.samples += count
                 if self.step % self.t.log_every == 0 or self.step == self.total_steps:
                     self.log_train(logger)
                 if self.t.eval_every and self.step % self.t.eval_every == 0 and self.step < self.total_steps:
                     logger.log(self.step, "eval", self.evaluate())
                 if self.t.checkpoint_every and self.step % self.t.checkpoint_every == 0:
                     self.save_checkpoint()
-                if self.t.abort_after_skips and self.consecutive_skips >= self.t.abort_after_skips:
-                    self.diverged_reason = (f"{self.consecutive_skips} consecutive steps with non-finite gradients "
-                                            f"(up to step {self.step}, loss scale {float(self.scaler.scale):g})")
-                    log.warning("diverged: %s", self.diverged_reason)
+                self.check_skips()
             if self._log_count:
                 self.log_train(logger)
             self.save_checkpoint()
@@ -342,33 +359,46 @@ class Trainer:
         headline = metrics.get(self.task.metric_name)
         if diverged_reason is None and headline is not None and not math.isfinite(headline):
             diverged_reason = f"final {self.task.metric_name} is {headline}"
-        masters = [m for b in self.params.values() for m in (b.master_params or [])]
+        slots = list(self.slots.values())
+        masters = [m for s in slots for m in (s.params.master_params or [])]
+        grad_bytes = [s.grad_bytes for s in slots if s.grad_bytes is not None]
         return {
             "model": self.task.name,
             "precision": self.policy.name,
             "scale": self.root.scale,
-            "scale_final": float(self.scaler.scale),
+            "scale_final": float(slots[0].scaler.scale),
             "device": self.device.type,
             "device_name": device_name(self.device),
             "torch_version": torch.__version__,
             "precision_details": self.policy.describe(),
             "steps": self.step,
             "samples": self.samples,
+            "count_unit": self.task.count_unit,
             "batch_size": self.batch_size,
             "metric_name": self.task.metric_name,
             "metric": headline,
             "higher_is_better": self.task.higher_is_better,
             "metrics": metrics,
             **self.timer.summary(),
-            "memory": memory_report(self.device, self.model, masters, self.optimizers.values(),
-                                    self.activation_bytes),
-            "skipped_steps": self.skipped_steps,
+            "memory": {**memory_report(self.device, self.model, masters, [s.optimizer for s in slots],
+                                       self.activation_bytes, sum(grad_bytes) if grad_bytes else None),
+                       "measured_on": self.measured_on},
+            "optimizers": {s.name: {"optimizer": s.cfg.optimizer, "lr_last": s.lr,
+                                    "scale_final": float(s.scaler.scale), "skipped_steps": s.skipped_steps}
+                           for s in slots},
+            "skipped_steps": sum(s.skipped_steps for s in slots),
             "diverged": diverged_reason is not None,
             "diverged_reason": diverged_reason,
             "wall_s": wall_s,
             "run_dir": str(self.run_dir),
             "config": OmegaConf.to_container(self.cfg, resolve=True),
         }
+
+
+def logs_checked(values: dict[str, Any]) -> list[str]:
+    """The logged keys whose non-finite value means the run diverged: the task's losses."""
+    return [k for k, v in values.items() if "loss" in k and k != "loss_scale" and not k.startswith("loss_scale_")
+            and isinstance(v, float)]
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The paper's diagnostics: where gradients sit in the FP16 range, and lost weight updates.
 
-On sampled steps (`stats.enabled=true`, every `stats.every` steps, counted from
-step 0) the collector records
+On sampled steps (`stats.enabled=true`: steps 1, 1+N, 1+2N, ... with N = `stats.every`;
+step s is the s-th optimizer step, the number the logs show) the collector records
 
 - weight gradients after unscaling (paper Figure 2b), all parameters together
   and, with `stats.per_layer`, per parameter tensor;
@@ -62,8 +62,9 @@ from torch.utils.tensorboard import SummaryWriter
 
 from runner.errors import UserError
 from runner.logs import json_safe
-from runner.precision import BoundParams, map_tensors
-from runner.scaling import grad_abs_max
+from runner.precision import BoundParams
+from runner.scaling import dense_values, grad_abs_max
+from runner.trees import map_tensors
 
 
 @dataclass
@@ -230,8 +231,9 @@ class GradStats:
             self._file = None
 
     def begin(self, step: int) -> None:
-        full = self.cfg.enabled and step % self.cfg.every == 0
-        for_scaler = self.scaler_every > 0 and step % self.scaler_every == 0
+        """step: the 1-based number of the iteration about to run; steps 1, 1+N, 1+2N ... are sampled."""
+        full = self.cfg.enabled and (step - 1) % self.cfg.every == 0
+        for_scaler = self.scaler_every > 0 and (step - 1) % self.scaler_every == 0
         if not (full or for_scaler):
             return
         self._sample = _Sample(full, for_scaler)
@@ -280,8 +282,9 @@ class GradStats:
         s = self._sample
         if s is None:
             return
-        pairs = [(self.param_names[id(mp)], p.grad) for mp, p in zip(bound.model_params, bound.optimizer_params)
-                 if p.grad is not None]
+        # A sparse gradient contributes its stored values (the rows that received gradient).
+        pairs = [(self.param_names[id(mp)], dense_values([p.grad])[0])
+                 for mp, p in zip(bound.model_params, bound.optimizer_params) if p.grad is not None]
         if not pairs:
             return
         s.weight_max = _running_max(s.weight_max, grad_abs_max([g for _, g in pairs]))

@@ -1,53 +1,56 @@
-"""Deterministic, resumable batching: epoch e's order depends only on (seed, e).
+"""Deterministic, resumable batching: epoch e's batches depend only on (seed, e).
 
-Resuming at step k rebuilds the same order and starts at the right batch, so an
-interrupted run sees exactly the batches the uninterrupted run would have.
+The task draws each epoch's batches (lists of dataset indices, any sizes) from a
+generator seeded by (seed, epoch), see Task.epoch_batches. Resuming at step k
+rebuilds the same plans and starts at the right batch, so an interrupted run sees
+exactly the batches the uninterrupted run would have, whatever the batch sizes.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
 
 from runner.errors import UserError
 
-
-class EpochSampler(Sampler[int]):
-    def __init__(self, size: int, seed: int, epoch: int, start: int, shuffle: bool) -> None:
-        self.size, self.seed, self.epoch, self.start, self.shuffle = size, seed, epoch, start, shuffle
-
-    def __iter__(self) -> Iterator[int]:
-        if self.shuffle:
-            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed * 7919 + self.epoch))
-        else:
-            order = torch.arange(self.size)
-        return iter(order[self.start:].tolist())
-
-    def __len__(self) -> int:
-        return self.size - self.start
+EpochPlan = Callable[[torch.Generator], list[list[int]]]  # generator -> one epoch's batches
 
 
-def batches_per_epoch(dataset: Dataset, batch_size: int) -> int:
-    return len(dataset) // batch_size  # drop_last: every step sees a full batch
+def epoch_generator(seed: int, epoch: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 7919 + epoch)
 
 
-def train_batches(dataset: Dataset, batch_size: int, num_workers: int, collate: Callable[[list], Any],
-                  seed: int, start_step: int) -> Iterator[Any]:
-    """Endless stream of training batches, starting at global step `start_step`."""
-    per_epoch = batches_per_epoch(dataset, batch_size)
-    if per_epoch == 0:
+def epoch_batches(plan: EpochPlan, seed: int, epoch: int) -> list[list[int]]:
+    return plan(epoch_generator(seed, epoch))
+
+
+def check_plan(batches: list[list[int]], dataset: Dataset, batch_size: int) -> None:
+    if not batches:
         raise UserError(f"the training set has {len(dataset)} items, fewer than one batch of {batch_size}; "
-                        f"lower data.batch_size")
-    epoch, offset = divmod(start_step, per_epoch)
+                        f"lower data.batch_size or use more training data")
+
+
+def train_batches(dataset: Dataset, plan: EpochPlan, num_workers: int, collate: Callable[[list], Any],
+                  seed: int, start_step: int, on_epoch_start: Callable[[], None]) -> Iterator[Any]:
+    """Endless stream of training batches from global step `start_step` (0-based count of batches
+    already trained). `on_epoch_start` runs before the first batch of every epoch begun from
+    its start (a resumed run restores its mid-epoch state from the checkpoint instead)."""
+    epoch, offset = 0, start_step
+    batches = epoch_batches(plan, seed, epoch)
+    while offset >= len(batches):  # epochs may differ in length (bucketing): walk them
+        offset -= len(batches)
+        epoch += 1
+        batches = epoch_batches(plan, seed, epoch)
     while True:
-        sampler = EpochSampler(len(dataset), seed, epoch, offset * batch_size, shuffle=True)
+        if offset == 0:
+            on_epoch_start()
         # Own generator: worker seeds come from (seed, epoch), and the global RNG (which the
         # checkpoint restores for augmentation in the main process) is not drawn from.
-        yield from DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                              collate_fn=collate, drop_last=True,
-                              generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+        yield from DataLoader(dataset, batch_sampler=batches[offset:], num_workers=num_workers,
+                              collate_fn=collate, generator=epoch_generator(seed, epoch))
         epoch, offset = epoch + 1, 0
+        batches = epoch_batches(plan, seed, epoch)
 
 
 def eval_batches(dataset: Dataset, batch_size: int, num_workers: int, collate: Callable[[list], Any],

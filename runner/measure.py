@@ -19,11 +19,13 @@ from torch import nn
 
 
 class StepTimer:
+    """Per-step durations and counts (samples, tokens, ... whatever the task counts)."""
+
     def __init__(self, device: torch.device, warmup_steps: int) -> None:
         self.cuda = device.type == "cuda"
         self.warmup_steps = warmup_steps
         self.durations_ms: list[float] = []
-        self.samples = 0
+        self.counts: list[int] = []
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
         self._seen = 0
         self._t0 = 0.0
@@ -36,26 +38,27 @@ class StepTimer:
         else:
             self._t0 = time.perf_counter()
 
-    def stop(self, batch_size: int) -> None:
+    def stop(self, count: int) -> None:
         self._seen += 1
         timed = self._seen > self.warmup_steps
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             if timed:
-                self._pending.append((self._start_event, end, batch_size))
+                self._pending.append((self._start_event, end, count))
         elif timed:
             self.durations_ms.append((time.perf_counter() - self._t0) * 1e3)
-            self.samples += batch_size
+            self.counts.append(count)
 
     def state_dict(self) -> dict[str, Any]:
         self.flush()
-        return {"durations_ms": torch.tensor(self.durations_ms, dtype=torch.float64), "samples": self.samples,
-                "seen": self._seen}
+        return {"durations_ms": torch.tensor(self.durations_ms, dtype=torch.float64),
+                "counts": torch.tensor(self.counts, dtype=torch.int64), "seen": self._seen}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.durations_ms = state["durations_ms"].tolist()
-        self.samples, self._seen = state["samples"], state["seen"]
+        self.counts = state["counts"].tolist()
+        self._seen = state["seen"]
 
     def flush(self) -> None:
         """Resolve pending CUDA events (one synchronize for all of them)."""
@@ -64,16 +67,15 @@ class StepTimer:
         self._pending[-1][1].synchronize()
         for start, end, n in self._pending:
             self.durations_ms.append(start.elapsed_time(end))
-            self.samples += n
+            self.counts.append(n)
         self._pending.clear()
 
     def recent_samples_per_s(self, last: int) -> float | None:
+        """Throughput over the last `last` timed steps (counted units per second)."""
         self.flush()
         if not self.durations_ms:
             return None
-        window = self.durations_ms[-last:]
-        per_step = self.samples / len(self.durations_ms)  # batch size is constant across training steps
-        return per_step * len(window) / (sum(window) / 1e3)
+        return sum(self.counts[-last:]) / (sum(self.durations_ms[-last:]) / 1e3)
 
     def summary(self) -> dict[str, float | None]:
         self.flush()
@@ -81,14 +83,23 @@ class StepTimer:
             return {"samples_per_s": None, "step_time_ms_p50": None, "step_time_ms_p90": None}
         t = torch.tensor(self.durations_ms)
         return {
-            "samples_per_s": self.samples / (float(t.sum()) / 1e3),
+            "samples_per_s": sum(self.counts) / (float(t.sum()) / 1e3),
             "step_time_ms_p50": float(t.quantile(0.5)),
             "step_time_ms_p90": float(t.quantile(0.9)),
         }
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    """Bytes the tensors hold; a sparse COO tensor holds its values and indices, not its dense size."""
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        if t.is_sparse:
+            total += t._values().numel() * t.element_size() + t._indices().numel() * t._indices().element_size()
+        else:
+            total += t.numel() * t.element_size()
+    return total
 
 
 def optimizer_state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
@@ -139,17 +150,17 @@ class SavedActivations:
 
 
 def memory_report(device: torch.device, model: nn.Module, master: list[torch.Tensor],
-                  optimizers: Iterable[torch.optim.Optimizer], activation_bytes: int | None) -> dict[str, int | None]:
+                  optimizers: Iterable[torch.optim.Optimizer], activation_bytes: int | None,
+                  grad_bytes: int | None) -> dict[str, int | None]:
+    """grad_bytes: measured at the step where activations were measured: the model's gradients
+    plus the FP32 master gradients, sparse ones at their stored size."""
     cuda = device.type == "cuda"
-    params = list(model.parameters())
     return {
         "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
         "peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if cuda else None,
         "peak_rss_bytes": peak_rss_bytes(),
-        "param_bytes": tensor_bytes(params),
-        # Gradients exist for every trainable parameter during backward, in the model's
-        # dtype, plus the FP32 master gradients where there is a master copy.
-        "grad_bytes": tensor_bytes(p for p in params if p.requires_grad) + tensor_bytes(master),
+        "param_bytes": tensor_bytes(model.parameters()),
+        "grad_bytes": grad_bytes,
         "optimizer_state_bytes": optimizer_state_bytes(optimizers),
         "master_weight_bytes": tensor_bytes(master),
         "activation_bytes": activation_bytes,

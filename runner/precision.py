@@ -27,29 +27,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterable
+from typing import Any, ContextManager, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from runner.errors import UserError
+from runner.trees import map_floats, to_dtype
 
 _NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
-
-
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Apply fn to every tensor inside nested dicts / lists / tuples."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: map_tensors(v, fn) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(map_tensors(v, fn) for v in obj)
-    return obj
-
-
-def _float_to(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda t: t.to(dtype) if t.is_floating_point() else t
 
 
 class _RoundThroughHalf(torch.autograd.Function):
@@ -70,20 +56,46 @@ class _RoundThroughHalf(torch.autograd.Function):
 
 
 def round_through_half(t: torch.Tensor) -> torch.Tensor:
-    return _RoundThroughHalf.apply(t) if t.is_floating_point() else t
+    return _RoundThroughHalf.apply(t)
+
+
+def param_groups(spec: Iterable[nn.Parameter] | Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A task's parameters or torch-style groups -> groups of trainable parameters (options kept)."""
+    items = list(spec)
+    groups = items if items and isinstance(items[0], dict) else [{"params": items}]
+    return [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in groups]
 
 
 @dataclass
 class BoundParams:
-    """The parameters one optimizer updates, with or without FP32 master copies."""
+    """The parameters one optimizer updates, with or without FP32 master copies.
 
-    model_params: list[nn.Parameter]
-    master_params: list[nn.Parameter] | None
+    `groups` are the task's parameter groups over the model's parameters; the
+    optimizer is built on `optimizer_groups`, the same groups (same options) over
+    the master copies where there are any. Sparse gradients stay sparse: they are
+    coalesced (so unscaling and clipping can work on their values) and, with a
+    master copy, cast to a sparse FP32 master gradient.
+    """
+
+    groups: list[dict[str, Any]]
+    master_groups: list[dict[str, Any]] | None
     storage_dtype: torch.dtype | None = None  # pseudo_fp16: grads and published weights rounded to this
 
     @property
+    def model_params(self) -> list[nn.Parameter]:
+        return [p for g in self.groups for p in g["params"]]
+
+    @property
+    def master_params(self) -> list[nn.Parameter] | None:
+        return None if self.master_groups is None else [p for g in self.master_groups for p in g["params"]]
+
+    @property
+    def optimizer_groups(self) -> list[dict[str, Any]]:
+        return self.master_groups if self.master_groups is not None else self.groups
+
+    @property
     def optimizer_params(self) -> list[nn.Parameter]:
-        return self.master_params if self.master_params is not None else self.model_params
+        return [p for g in self.optimizer_groups for p in g["params"]]
 
     def grads_for_update(self) -> list[torch.Tensor]:
         """The gradients the optimizer will read, copied to the master copy if there is one.
@@ -91,31 +103,50 @@ class BoundParams:
         Parameters without a gradient this step are left out (their master grad is
         None, so the optimizer skips them, as it would without master weights).
         """
-        if self.master_params is None:
-            return [p.grad for p in self.model_params if p.grad is not None]
-        src, dst = [], []
-        for p, m in zip(self.model_params, self.master_params):
+        model = self.model_params
+        for p in model:
+            if p.grad is not None and p.grad.is_sparse:
+                p.grad = p.grad.coalesce()
+        if self.master_groups is None:
+            return [p.grad for p in model if p.grad is not None]
+        src, dst, sparse = [], [], []
+        for p, m in zip(model, self.master_params):
             if p.grad is None:
                 m.grad = None
-                continue
-            if m.grad is None:
-                m.grad = torch.empty_like(m)
-            src.append(p.grad if self.storage_dtype is None else p.grad.to(self.storage_dtype))
-            dst.append(m.grad)
+            elif p.grad.is_sparse:
+                g = p.grad
+                values = g._values() if self.storage_dtype is None else g._values().to(self.storage_dtype)
+                m.grad = torch.sparse_coo_tensor(g._indices(), values.float(), g.shape, is_coalesced=True)
+                sparse.append(m.grad)
+            else:
+                if m.grad is None or m.grad.is_sparse:
+                    m.grad = torch.empty_like(m)
+                src.append(p.grad if self.storage_dtype is None else p.grad.to(self.storage_dtype))
+                dst.append(m.grad)
         if dst:
             torch._foreach_copy_(dst, src)  # one fused cast-and-copy, no per-tensor sync
-        return dst
+        return dst + sparse
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The gradients held right now: the model's and, where there is one, the master's."""
+        masters = self.master_params or []
+        return [p.grad for p in [*self.model_params, *masters] if p.grad is not None]
+
+    def clear_grads(self) -> None:
+        """Drop the model's gradients of these parameters (the next backward starts from zero)."""
+        for p in self.model_params:
+            p.grad = None
 
     def publish(self) -> None:
         """Round the updated master weights back into the model (no-op without master)."""
-        if self.master_params is None:
+        if self.master_groups is None:
             return
         with torch.no_grad():
+            model = [p.data for p in self.model_params]
             if self.storage_dtype is None:
-                torch._foreach_copy_([p.data for p in self.model_params], self.master_params)
+                torch._foreach_copy_(model, self.master_params)
             else:  # the model is FP32 but must hold only FP16-representable values
-                torch._foreach_copy_([p.data for p in self.model_params],
-                                     [m.to(self.storage_dtype) for m in self.master_params])
+                torch._foreach_copy_(model, [m.to(self.storage_dtype) for m in self.master_params])
 
 
 class PrecisionPolicy:
@@ -148,26 +179,35 @@ class PrecisionPolicy:
                         m.float()
         if self.low_dtype is not None:
             # Losses and softmax run in FP32 (paper 3.3): cast the model's outputs up.
-            model.register_forward_hook(lambda _m, _i, out: map_tensors(out, _float_to(torch.float32)))
+            model.register_forward_hook(lambda _m, _i, out: to_dtype(out, torch.float32))
         return model
 
-    def bind(self, params: Iterable[nn.Parameter]) -> BoundParams:
-        params = [p for p in params if p.requires_grad]
+    def bind(self, spec: Iterable[nn.Parameter] | Sequence[dict[str, Any]]) -> BoundParams:
+        groups = param_groups(spec)
         if not self.master_weights:
-            return BoundParams(params, None)
-        masters = [nn.Parameter(p.detach().clone().float()) for p in params]
-        return BoundParams(params, masters)
+            return BoundParams(groups, None)
+        masters = [{**g, "params": [nn.Parameter(p.detach().clone().float()) for p in g["params"]]} for g in groups]
+        return BoundParams(groups, masters)
 
     # --- per step -------------------------------------------------------------------
+    def cast(self, x: Any) -> Any:
+        """Floating tensors in x to what the model computes in (its weights' dtype)."""
+        return x if self.param_dtype == torch.float32 else to_dtype(x, self.param_dtype)
+
     def cast_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
-        if self.param_dtype == torch.float32 or "input" not in batch:
-            return batch
-        return {**batch, "input": map_tensors(batch["input"], _float_to(self.param_dtype))}
+        return {**batch, "input": self.cast(batch["input"])} if "input" in batch else batch
 
     def autocast(self) -> ContextManager[Any]:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    @contextlib.contextmanager
+    def fp32(self, *tensors: Any) -> Iterator[Any]:
+        """Autocast off, floating tensors cast to FP32: for losses and reductions (paper 3.3)."""
+        with torch.autocast(self.device.type, enabled=False):
+            cast = to_dtype(tensors, torch.float32)
+            yield cast[0] if len(cast) == 1 else cast
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -242,18 +282,16 @@ class PseudoFP16(PrecisionPolicy):
                 p.copy_(p.to(torch.float16))
         for module in model.modules():
             if not any(True for _ in module.children()):  # leaf modules = layer boundaries
-                module.register_forward_hook(lambda _m, _i, out: map_tensors(out, round_through_half))
+                module.register_forward_hook(lambda _m, _i, out: map_floats(out, round_through_half))
         return super().prepare_model(model)
 
-    def bind(self, params: Iterable[nn.Parameter]) -> BoundParams:
-        bound = super().bind(params)
+    def bind(self, spec: Iterable[nn.Parameter] | Sequence[dict[str, Any]]) -> BoundParams:
+        bound = super().bind(spec)
         bound.storage_dtype = torch.float16
         return bound
 
-    def cast_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
-        if "input" not in batch:
-            return batch
-        return {**batch, "input": map_tensors(batch["input"], round_through_half)}
+    def cast(self, x: Any) -> Any:
+        return map_floats(x, round_through_half)
 
 
 POLICIES: dict[str, type[PrecisionPolicy]] = {

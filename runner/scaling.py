@@ -48,11 +48,19 @@ class ScalerConfig:
     auto_margin: float = 0.125        # auto: keep S * max|g| below format max * margin
 
 
+def dense_values(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Dense tensors holding the gradient values: a coalesced sparse gradient's values, a dense one itself.
+
+    In-place ops on these (unscale, clip) change the gradients themselves, as in GradScaler.
+    """
+    return [g._values() if g.is_sparse else g for g in grads]
+
+
 def grad_abs_max(grads: list[torch.Tensor]) -> torch.Tensor:
-    """max |g| over all gradients as a float32 device scalar (no host sync)."""
+    """max |g| over all gradients (sparse: their values) as a float32 device scalar (no host sync)."""
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    norms = torch._foreach_norm(grads, float("inf"))
+    norms = torch._foreach_norm(dense_values(grads), float("inf"))
     return torch.stack([n.float() for n in norms]).max()
 
 
@@ -72,11 +80,15 @@ class LossScaler:
         return loss.float() * self.scale
 
     def unscale_(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """Divide grads by S in place; return a device flag (1.0 if any grad is inf/NaN)."""
+        """Divide grads by S in place; return a device flag (1.0 if any grad is inf/NaN).
+
+        Sparse gradients must be coalesced (BoundParams.grads_for_update does it): their
+        values are unscaled and checked, as torch.amp.GradScaler does.
+        """
         found_inf = torch.zeros((), dtype=torch.float32, device=self.device)
         inv_scale = self.scale.double().reciprocal().float()
         by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-        for g in grads:
+        for g in dense_values(grads):
             by_dtype[(g.device, g.dtype)].append(g)
         for (dev, _), group in by_dtype.items():
             flag = torch.zeros((1,), dtype=torch.float32, device=dev)

@@ -38,7 +38,7 @@ def test_outputs_carry_the_contract(tiny_cfg):
     assert SUMMARY_KEYS <= on_disk.keys() and MEMORY_KEYS <= on_disk["memory"].keys()
     assert on_disk["metric_name"] == "top1" and on_disk["metric"] == on_disk["metrics"]["top1"]
     assert on_disk["memory"]["peak_allocated_bytes"] is None  # CPU
-    masters = torch.load(run_dir / "checkpoint.pt", weights_only=True)["master"]["main"]
+    masters = torch.load(run_dir / "checkpoint.pt", weights_only=True)["slots"]["main"]["master"]
     assert on_disk["memory"]["master_weight_bytes"] == sum(4 * m.numel() for m in masters)
     for r in records(run_dir, "train"):
         assert {"step", "loss", "lr", "samples_per_s", "loss_scale", "overflow", "skipped_steps"} <= r.keys()
@@ -61,26 +61,27 @@ def test_tensorboard_has_the_same_tags_for_every_precision(tiny_cfg):
 
 
 def test_skipped_step_changes_no_weight_optimizer_state_or_schedule(tiny_cfg, tmp_path):
-    """Steps 0,1 then an injected overflow at step 2 == steps 0,1 alone, bit for bit."""
+    """Steps 1, 2 then an injected overflow at step 3 == steps 1, 2 alone, bit for bit."""
     common = ("precision=mp", "scale=64", "trainer.schedule=cosine", "trainer.max_steps=3")
-    skipped = Trainer(tiny_cfg(*common, "debug.nonfinite_steps=[2]", f"out_dir={tmp_path / 'skip'}"))
+    skipped = Trainer(tiny_cfg(*common, "debug.nonfinite_steps=[3]", f"out_dir={tmp_path / 'skip'}"))
     skipped.run()
     reference = Trainer(tiny_cfg(*common, f"out_dir={tmp_path / 'ref'}"))
     reference.total_steps = 2
     reference.run()
-    assert skipped.skipped_steps == 1 and reference.skipped_steps == 0
-    for a, b in zip(skipped.params["main"].master_params, reference.params["main"].master_params):
-        assert torch.equal(a, b)
-    for a, b in zip(skipped.model.parameters(), reference.model.parameters()):
-        assert torch.equal(a, b)
-    sa, sb = skipped.optimizers["main"].state_dict()["state"], reference.optimizers["main"].state_dict()["state"]
+    a, b = skipped.slots["main"], reference.slots["main"]
+    assert a.skipped_steps == 1 and b.skipped_steps == 0
+    for x, y in zip(a.params.master_params, b.params.master_params):
+        assert torch.equal(x, y)
+    for x, y in zip(skipped.model.parameters(), reference.model.parameters()):
+        assert torch.equal(x, y)
+    sa, sb = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
     assert all(torch.equal(sa[k]["momentum_buffer"], sb[k]["momentum_buffer"]) for k in sa)
-    assert skipped.schedulers["main"].last_epoch == reference.schedulers["main"].last_epoch == 2
+    assert a.scheduler.last_epoch == b.scheduler.last_epoch == 2
 
 
 def test_resume_reproduces_the_uninterrupted_scale_trajectory(tiny_cfg, tmp_path):
     common = ("precision=mp", "scale=dynamic", "scaler.init_scale=1024", "scaler.growth_interval=2",
-              "debug.nonfinite_steps=[1,5]", "trainer.schedule=constant", "trainer.log_every=1")
+              "debug.nonfinite_steps=[2,6]", "trainer.schedule=constant", "trainer.log_every=1")
     whole = train(tiny_cfg(*common, "trainer.max_steps=8", "out_dir=" + str(tmp_path / "whole")))
     train(tiny_cfg(*common, "trainer.max_steps=4", "out_dir=" + str(tmp_path / "split")))
     resumed = train(tiny_cfg(*common, "trainer.max_steps=8", "out_dir=" + str(tmp_path / "split")))
@@ -102,13 +103,13 @@ def test_finished_run_is_not_retrained_or_overwritten(tiny_cfg):
 
 def test_abort_after_consecutive_skips_marks_diverged_and_keeps_results(tiny_cfg):
     summary = train(tiny_cfg("precision=mp", "scale=8", "trainer.max_steps=10", "trainer.abort_after_skips=3",
-                             "debug.nonfinite_steps=[2,3,4,5,6]"))
+                             "debug.nonfinite_steps=[3,4,5,6,7]"))
     run_dir = Path(summary["run_dir"])
     assert summary["diverged"] and "3 consecutive" in summary["diverged_reason"]
     assert summary["steps"] == 5 and summary["skipped_steps"] == 3
     assert (run_dir / "checkpoint.pt").exists() and (run_dir / "metrics.jsonl").exists()
     rerun = train(tiny_cfg("precision=mp", "scale=8", "trainer.max_steps=10", "trainer.abort_after_skips=3",
-                           "debug.nonfinite_steps=[2,3,4,5,6]"))
+                           "debug.nonfinite_steps=[3,4,5,6,7]"))
     assert rerun == json.loads(json.dumps(summary))  # an ended run is reported, not retrained
 
 

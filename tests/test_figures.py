@@ -16,12 +16,12 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny mp run, dynamic scaling from 256 with one forced overflow (step 2), sampled every 2 steps."""
+    """A tiny mp run, dynamic scaling from 256 with one forced overflow (step 3), sampled at steps 1 and 3."""
     out = tmp_path_factory.mktemp("figures")
     cfg = compose_job(["model.width=0.125", "model.depth=[1,1,1,1]", "data.image_size=16", "data.num_train=256",
                        "data.num_eval=64", "data.batch_size=8", "trainer.max_steps=3", "trainer.log_every=1",
                        "trainer.eval_batches=1", f"out_root={out}", "stats.enabled=true", "stats.every=2",
-                       "precision=mp", "scale=dynamic", "scaler.init_scale=256", "debug.nonfinite_steps=[2]"])
+                       "precision=mp", "scale=dynamic", "scaler.init_scale=256", "debug.nonfinite_steps=[3]"])
     return Path(train(cfg)["run_dir"])
 
 
@@ -40,9 +40,9 @@ def test_figures_are_valid_pngs(run_dir: Path, tmp_path: Path, capsys: pytest.Ca
 def test_overflow_step_is_recorded_as_nonfinite(run_dir: Path) -> None:
     records = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]
     by_step = {r["step"]: r for r in records}
-    assert by_step[2]["weight_grad"]["hist"]["nonfinite"] > 0  # debug.nonfinite_steps=[2]
-    assert "lost_updates" not in by_step[2]                      # the skipped step applies no update
-    assert by_step[0]["weight_grad"]["hist"]["nonfinite"] == 0
+    assert by_step[3]["weight_grad"]["hist"]["nonfinite"] > 0  # debug.nonfinite_steps=[3]
+    assert "lost_updates" not in by_step[3]                      # the skipped step applies no update
+    assert by_step[1]["weight_grad"]["hist"]["nonfinite"] == 0
 
 
 def test_default_out_dir_is_inside_the_run(run_dir: Path) -> None:

@@ -128,10 +128,10 @@ def test_activation_hooks_see_every_module_output_gradient(tmp_path: Path) -> No
     model, x, scale = Net(), torch.randn(4, 6), 2.0**5
     expected = output_grads(model, x, scale)
     stats = make_stats(tmp_path, model, per_layer=True, lost_updates=False)
-    stats.begin(0)
+    stats.begin(1)
     (model(x).square().sum() * scale).backward()
-    stats.weight_grads(BoundParams(list(model.parameters()), None))
-    stats.end(0, torch.tensor(scale))
+    stats.weight_grads(BoundParams([{"params": list(model.parameters())}], None))
+    stats.end(1, torch.tensor(scale))
     act = records(tmp_path)[0]["act_grad"]
     assert set(act["layers"]) == set(expected)
     for name, grad in expected.items():  # body.1's own gradient, not the ReLU's, though the ReLU overwrote it
@@ -149,7 +149,7 @@ def test_unsampled_steps_install_nothing(tmp_path: Path) -> None:
     stats.begin(3)
     assert not any(m._forward_hooks for m in model.modules())
     model(torch.randn(4, 6)).sum().backward()
-    stats.weight_grads(BoundParams(list(model.parameters()), None))
+    stats.weight_grads(BoundParams([{"params": list(model.parameters())}], None))
     assert stats.end(3, torch.tensor(1.0)) is None
     assert (tmp_path / "stats.jsonl").read_text() == ""
 
@@ -159,15 +159,15 @@ def test_auto_scaler_max_comes_from_the_collector_on_its_steps_only(tmp_path: Pa
     model, x, scale = Net(), torch.randn(4, 6), 2.0**5
     expected = output_grads(model, x, scale)
     stats = GradStats(StatsConfig(enabled=False), model, tmp_path, torch.float16, scaler_every=2)
-    for step in (0, 1):
+    for step in (1, 2):
         model.zero_grad()
         stats.begin(step)
         (model(x).square().sum() * scale).backward()
         for p in model.parameters():
             p.grad /= scale  # what the scaler's unscale_ does
-        stats.weight_grads(BoundParams(list(model.parameters()), None))
+        stats.weight_grads(BoundParams([{"params": list(model.parameters())}], None))
         got = stats.end(step, torch.tensor(scale))
-        if step == 1:
+        if step == 2:
             assert got is None
             continue
         act_max = max(float(g.abs().max()) for g in expected.values()) / scale
@@ -186,14 +186,14 @@ def lost_update_record(tmp_path: Path, dtype: torch.dtype, optimizer: type = tor
     w = nn.Parameter(torch.ones(5, dtype=dtype))
     w.grad = (-updates).to(dtype)
     opt = torch.optim.SGD([w], lr=1.0, momentum=0.0)
-    bound = BoundParams([w], None)
+    bound = BoundParams([{"params": [w]}], None)
     model = nn.Module()
     model.w = w
     stats = make_stats(tmp_path, model, activations=False)
-    stats.begin(0)
+    stats.begin(1)
     with stats.measure_update(bound, opt):
         opt.step()
-    stats.end(0, torch.tensor(1.0))
+    stats.end(1, torch.tensor(1.0))
     return records(tmp_path)[0]["lost_updates"]
 
 
@@ -218,10 +218,10 @@ def test_fp32_shadow_step_leaves_the_real_optimizer_untouched(tmp_path: Path) ->
         model = nn.Module()
         model.w = w
         stats = make_stats(tmp_path / str(measured), model, activations=False, every=1 if measured else 10**6)
-        for step, g in enumerate(grads):
+        for step, g in enumerate(grads, start=1):
             w.grad = g.clone()
             stats.begin(step)
-            with stats.measure_update(BoundParams([w], None), opt):
+            with stats.measure_update(BoundParams([{"params": [w]}], None), opt):
                 opt.step()
             stats.end(step, torch.tensor(1.0))
         runs.append((w.detach().clone(), {k: v.clone() for k, v in opt.state[w].items()}))
@@ -249,11 +249,11 @@ def test_end_to_end_stats_on_and_off(tiny_cfg, tmp_path: Path) -> None:
     summary_off = train(tiny_cfg(*common, "out_root=" + str(tmp_path / "off")))
     on, off = Path(summary_on["run_dir"]), Path(summary_off["run_dir"])
     assert not (off / "stats.jsonl").exists()
-    # observing must not change training, nor the activation memory the engine measures at step 0
+    # observing must not change training, nor the activation memory the engine measures at step 1
     assert read_losses(on) == read_losses(off) and summary_on["metric"] == summary_off["metric"]
     assert summary_on["memory"]["activation_bytes"] == summary_off["memory"]["activation_bytes"]
     recs = [json.loads(line) for line in (on / "stats.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in recs] == [0, 2]
+    assert [r["step"] for r in recs] == [1, 3]
     for r in recs:
         assert r["loss_scale"] == 8.0
         assert r["act_grad"]["recorded_at_scale"] == 8.0 and r["weight_grad"]["recorded_at_scale"] == 1.0
@@ -263,7 +263,7 @@ def test_end_to_end_stats_on_and_off(tiny_cfg, tmp_path: Path) -> None:
     assert {"stats/weight_grad/log2_abs", "stats/act_grad/log2_abs",
             "stats/lost_updates/log2_w_over_dw"} <= set(events.Tags()["histograms"])
     assert "stats/act_grad/scale_1/underflow" in events.Tags()["scalars"]
-    assert [e.step for e in events.Scalars("stats/lost_updates/lost_frac")] == [0, 2]
+    assert [e.step for e in events.Scalars("stats/lost_updates/lost_frac")] == [1, 3]
 
 
 def test_auto_scale_without_stats_uses_collector_max(tiny_cfg) -> None:

@@ -16,7 +16,6 @@ from runner.cli import compose_job
 from runner.engine import train
 from runner.errors import UserError
 from runner.precision import make_policy
-from runner.task import StepFn
 
 SMALL_DATA = {"name": "synthetic_detection", "num_train": 4, "num_eval": 4, "batch_size": 2}
 
@@ -30,18 +29,19 @@ def _batch(task: SSDTask, split: str = "train", n: int = 2) -> dict:
     return task.collate([ds[i] for i in range(n)])
 
 
-def _sgd_step_fn(model: nn.Module) -> tuple[StepFn, list[torch.Tensor]]:
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    losses: list[torch.Tensor] = []
+class _SGDContext:
+    """A plain-SGD stand-in for the engine's step context (keeps the gradients for inspection)."""
 
-    def step_fn(loss: torch.Tensor, name: str) -> None:
+    def __init__(self, model: nn.Module) -> None:
+        self.opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        self.losses: list[torch.Tensor] = []
+
+    def optimize(self, loss: torch.Tensor, name: str = "main") -> None:
         assert name == "main"
-        losses.append(loss.detach())
-        opt.zero_grad()
+        self.losses.append(loss.detach())
+        self.opt.zero_grad()
         loss.backward()
-        opt.step()
-
-    return step_fn, losses
+        self.opt.step()
 
 
 def test_ssd300_variant_is_torchvisions_ssd300() -> None:
@@ -72,9 +72,10 @@ def test_training_steps_fp32() -> None:
     task = _task()
     model = task.build_model()
     batch = _batch(task)
-    step_fn, losses = _sgd_step_fn(model)
+    ctx = _SGDContext(model)
+    losses = ctx.losses
     for _ in range(3):
-        logs = task.train_step(model, batch, step_fn)
+        logs = task.train_step(model, batch, ctx)
     assert set(logs) == {"loss", "bbox_loss", "cls_loss"}
     assert len(losses) == 3 and all(torch.isfinite(x) for x in losses)
     assert not logs["loss"].requires_grad
@@ -91,9 +92,10 @@ def test_training_steps_with_fp16_model() -> None:
     assert batch["input"].dtype == torch.float16 and batch["target"][0]["boxes"].dtype == torch.float32
     assert all(p.dtype == torch.float16 for p in model.parameters())
     assert model(batch["input"])["cls_logits"].dtype == torch.float32
-    step_fn, losses = _sgd_step_fn(model)
+    ctx = _SGDContext(model)
+    losses = ctx.losses
     for _ in range(2):
-        task.train_step(model, batch, step_fn)
+        task.train_step(model, batch, ctx)
     assert all(x.dtype == torch.float32 and torch.isfinite(x) for x in losses)
     assert all(p.grad is not None and p.grad.dtype == torch.float16 for p in model.parameters())
 
@@ -130,7 +132,7 @@ def test_evaluate_perfect_predictions_give_100_map() -> None:
     task = _task(data={**SMALL_DATA, "num_classes": 5})
     task.build_model()
     batch = _batch(task, "eval", n=4)
-    result = task.evaluate(_PerfectHead(task, batch["target"]), [batch])
+    result = task.evaluate(_PerfectHead(task, batch["target"]), [batch], _SGDContext(nn.Linear(1, 1)))
     present = {task.class_names[int(c) - 1] for t in batch["target"] for c in t["labels"]}
     assert result.metrics["mAP"] == pytest.approx(100.0)
     assert {k for k in result.metrics if k.startswith("AP_")} == {f"AP_{name}" for name in present}
