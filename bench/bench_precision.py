@@ -42,7 +42,7 @@ def main() -> None:
         t = resnet_trainer(mode, scale, args.width, args.depth, args.image_size, args.batch, args.steps,
                            args.device, f"/tmp/mpt-bench-precision/{mode}")
         trainers[mode], batches[mode] = t, device_batches(t, args.steps, args.batch)
-        t.train_iteration(batches[mode][0], record_activations=True)  # also warms up
+        t.train_iteration(batches[mode][0], measure_memory=True)  # also warms up
         activation[mode] = t.activation_bytes
     device = next(iter(trainers.values())).device
 

@@ -44,21 +44,22 @@ def time_iteration(trainer: Trainer, batch: dict, step: int) -> tuple[float, flo
     trainer.step = step
     sync()
     wall0, cpu0 = time.perf_counter(), time.process_time()
-    trainer.train_iteration(batch, record_activations=False)
+    trainer.train_iteration(batch, measure_memory=False)
     sync()
     return (time.perf_counter() - wall0) * 1e3, (time.process_time() - cpu0) * 1e3
 
 
 def collector_call_us(trainer: Trainer, collector: GradStats) -> float:
     """The four collector calls of one non-sampled step, in microseconds."""
-    bound, opt = trainer.params["main"], trainer.optimizers["main"]
+    slot = trainer.slots["main"]
+    bound, opt = slot.params, slot.optimizer
 
-    def calls() -> None:
-        collector.begin(1)
+    def calls() -> None:  # step 2: not sampled (steps 1, 1 + every, ... are)
+        collector.begin(2)
         collector.weight_grads(bound)
         with collector.measure_update(bound, opt):
             pass
-        collector.end(1, trainer.scaler.scale)
+        collector.end(2, slot.scaler.scale)
 
     n = 20000
     return min(timeit.repeat(calls, number=n, repeat=5)) / n * 1e6
@@ -82,19 +83,21 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as out_root:
         trainer = build(args, out_root)
-        batch = trainer.to_device(next(train_batches(trainer.train_set, trainer.batch_size, 0,
-                                                     trainer.task.collate, 0, 0)))
+        batch = trainer.to_device(next(train_batches(trainer.train_set, trainer.epoch_plan, 0,
+                                                     trainer.task.collate, 0, 0, lambda: None)))
         off = GradStats(StatsConfig(enabled=False), trainer.model, trainer.run_dir, trainer.policy.low_dtype)
         on = GradStats(StatsConfig(enabled=True, every=2), trainer.model, trainer.run_dir, trainer.policy.low_dtype)
         writer = SummaryWriter(out_root)
         on.open(writer)
-        setups = {"off": (off, 1), "on, not sampled": (on, 1), "on, sampled": (on, 0)}  # every=2: step 0 sampled
+        # trainer.step is the number of steps done: step 0 runs step 1, which every=2 samples
+        setups = {"off": (off, 1), "on, not sampled": (on, 1), "on, sampled": (on, 0)}
         times: dict[str, list[tuple[float, float]]] = {c: [] for c in CONDITIONS}
         order = list(CONDITIONS)
         for rep in range(args.warmup + args.reps):
             random.shuffle(order)
             for cond in order:
-                trainer.stats, step = setups[cond]
+                collector, step = setups[cond]
+                trainer.stats = trainer.ctx.stats = collector
                 measured = time_iteration(trainer, batch, step)
                 if rep >= args.warmup:
                     times[cond].append(measured)

@@ -35,7 +35,7 @@ def device_batches(trainer: Trainer, steps: int, batch: int) -> list[dict[str, A
 
 def engine_step(trainer: Trainer) -> Callable[[dict[str, Any]], None]:
     def step(batch: dict[str, Any]) -> None:
-        trainer.train_iteration(batch, record_activations=False)
+        trainer.train_iteration(batch, measure_memory=False)
         trainer.step += 1
     return step
 
