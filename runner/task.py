@@ -28,7 +28,7 @@ skipped step of one never skips another.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ContextManager, Iterable, Mapping, Protocol, Sequence, TypeVar, Union
 
 import torch
@@ -73,9 +73,15 @@ class StepContext(Protocol):
 
 @dataclass(frozen=True)
 class EvalResult:
-    """All evaluation values; `metrics[metric_name]` is the headline number."""
+    """All evaluation values; `metrics[metric_name]` is the headline number.
+
+    `images`: pictures to keep (e.g. a GAN's fixed-latent sample grid), name -> float
+    tensor [3, H, W] in [0, 1]; the engine writes each to TensorBoard as `eval/<name>`
+    and as `<run_dir>/<name>_step<step>.png`.
+    """
 
     metrics: dict[str, float]
+    images: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def decay_groups(model: nn.Module, weight_decay: float | None = None) -> list[dict[str, Any]]:
