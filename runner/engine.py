@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torchvision.utils import save_image
 
 from models import TASKS
 from runner import checkpoint
@@ -264,13 +265,19 @@ class Trainer:
         moved = to_device({k: v for k, v in batch.items() if k not in self.task.host_keys}, self.device)
         return self.policy.cast_inputs({**moved, **host})
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, logger: RunLogger) -> dict[str, float]:
+        """Evaluate, log the metrics and any pictures (TensorBoard eval/<name>, <name>_step<N>.png)."""
         self.model.eval()
         batches = (self.to_device(b) for b in eval_batches(self.eval_set, self.eval_batch_size, self.num_workers,
                                                            self.task.collate, self.t.eval_batches))
         with torch.no_grad(), self.policy.autocast():
             result = self.task.evaluate(self.model, batches, self.ctx)
         self.model.train()
+        logger.log(self.step, "eval", result.metrics)
+        for name, image in result.images.items():
+            image = image.detach().float().clamp(0, 1).cpu()
+            logger.tb.add_image(f"eval/{name}", image, self.step)
+            save_image(image, self.run_dir / f"{name}_step{self.step}.png")
         return result.metrics
 
     def log_train(self, logger: RunLogger) -> None:
@@ -339,15 +346,14 @@ class Trainer:
                 if self.step % self.t.log_every == 0 or self.step == self.total_steps:
                     self.log_train(logger)
                 if self.t.eval_every and self.step % self.t.eval_every == 0 and self.step < self.total_steps:
-                    logger.log(self.step, "eval", self.evaluate())
+                    self.evaluate(logger)
                 if self.t.checkpoint_every and self.step % self.t.checkpoint_every == 0:
                     self.save_checkpoint()
                 self.check_skips()
             if self._log_count:
                 self.log_train(logger)
             self.save_checkpoint()
-            metrics = self.evaluate()
-            logger.log(self.step, "eval", metrics)
+            metrics = self.evaluate(logger)
         finally:
             self.stats.close()
             logger.close()

@@ -136,3 +136,23 @@ def test_every_precision_and_scaler_trains(tiny_cfg, precision, scale):
 def test_full_precision_modes_train(tiny_cfg, precision):
     summary = train(tiny_cfg(f"precision={precision}", "trainer.max_steps=3"))
     assert summary["precision_details"]["tf32"] == (precision == "tf32")
+
+
+def test_evaluation_pictures_go_to_tensorboard_and_png(tiny_cfg, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from models.resnet50 import ResNet50Task
+    from runner.task import EvalResult
+
+    original = ResNet50Task.evaluate
+    grid = torch.linspace(0, 1, 3 * 8 * 8).reshape(3, 8, 8)
+
+    def with_picture(self, model, batches, ctx):
+        return EvalResult(original(self, model, batches, ctx).metrics, images={"samples": grid})
+
+    monkeypatch.setattr(ResNet50Task, "evaluate", with_picture)
+    run_dir = Path(train(tiny_cfg("trainer.max_steps=2"))["run_dir"])
+    assert (run_dir / "samples_step2.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    acc = EventAccumulator(str(run_dir), size_guidance={"images": 0})
+    acc.Reload()
+    assert acc.Tags()["images"] == ["eval/samples"]
