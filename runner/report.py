@@ -15,7 +15,7 @@ from typing import Any
 from runner.errors import EXIT_USER_ERROR
 
 PRECISION_ORDER = ["fp32", "tf32", "mp", "amp", "fp16", "pseudo_fp16", "bf16", "bf16_amp"]
-COLUMNS = ["precision", "scale", "metric", "Δ vs fp32", "samples/s", "speed-up", "peak mem",
+COLUMNS = ["precision", "scale", "metric", "Δ vs fp32 (+ better)", "throughput", "speed-up", "peak mem",
            "act. mem vs fp32", "skipped", "diverged"]
 
 
@@ -51,19 +51,30 @@ def baseline_for(s: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any
     return (same_seed or candidates or [None])[0]
 
 
+def improvement(s: dict[str, Any], base: dict[str, Any]) -> float:
+    """How much better than the baseline: positive is better, whichever way the metric points."""
+    sign = 1.0 if s.get("higher_is_better", True) else -1.0
+    return sign * (s["metric"] - base["metric"])
+
+
+def outcome(s: dict[str, Any]) -> str:
+    return f"yes: {s.get('diverged_reason') or 'no reason recorded'}" if s.get("diverged") else "no"
+
+
 def row(s: dict[str, Any], base: dict[str, Any] | None) -> list[str]:
     metric, delta, speedup, act_ratio = s.get("metric"), "–", "–", "–"
     if base is not None and base is not s:
         if isinstance(metric, (int, float)) and isinstance(base.get("metric"), (int, float)):
-            delta = f"{metric - base['metric']:+.2f}"
+            delta = f"{improvement(s, base):+.2f}"
         if s.get("samples_per_s") and base.get("samples_per_s"):
             speedup = f"{s['samples_per_s'] / base['samples_per_s']:.2f}x"
         act, base_act = s["memory"].get("activation_bytes"), base["memory"].get("activation_bytes")
         if act and base_act:
             act_ratio = f"{act / base_act:.2f}"
+    throughput = f"{_num(s.get('samples_per_s'), '.1f')} {s.get('count_unit', 'samples')}/s"
     return [s["precision"], str(s.get("scale")), f"{_num(metric, '.2f')} {s.get('metric_name', '')}".strip(),
-            delta, _num(s.get("samples_per_s"), ".1f"), speedup, _mib(peak_memory(s)), act_ratio,
-            str(s.get("skipped_steps", "–")), "yes" if s.get("diverged") else "no"]
+            delta, throughput, speedup, _mib(peak_memory(s)), act_ratio,
+            str(s.get("skipped_steps", "–")), outcome(s)]
 
 
 def render(summaries: list[dict[str, Any]]) -> str:
