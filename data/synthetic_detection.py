@@ -18,8 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from data.common import LoaderConfig, item_generator
-from runner.errors import UserError
+from data.common import LoaderConfig, check_item_counts, item_generator, require, require_range
 
 # (name, base RGB colour) per class; the name is also the shape drawn.
 CLASSES = (
@@ -30,6 +29,7 @@ CLASSES = (
     ("ring", (0.85, 0.25, 0.85)),
 )
 PLACEMENT_TRIES = 20
+MAX_OBJECTS = 100  # a typo guard (the default is 4): a crowded image fails to place most objects anyway
 
 
 @dataclass
@@ -47,13 +47,17 @@ class SyntheticDetectionConfig(LoaderConfig):
     num_workers: int = 0
 
     def __post_init__(self) -> None:
-        if not 1 <= self.num_classes <= len(CLASSES):
-            raise UserError(f"bad config: data.num_classes={self.num_classes}; must be 1..{len(CLASSES)}")
-        if not 0.05 <= self.min_size <= self.max_size <= 1:  # >= 0.05: every shape covers some pixels
-            raise UserError(f"bad config: data.min_size={self.min_size}, data.max_size={self.max_size}; "
-                            f"need 0.05 <= min_size <= max_size <= 1")
-        if self.max_objects < 1:
-            raise UserError(f"bad config: data.max_objects={self.max_objects}; must be >= 1")
+        super().__post_init__()
+        require_range("num_classes", self.num_classes, 1, len(CLASSES), ", ".join(name for name, _ in CLASSES))
+        check_item_counts(self.num_train, self.num_eval)
+        require_range("max_objects", self.max_objects, 1, MAX_OBJECTS, "each image holds 1 to max_objects shapes")
+        # >= 0.05: every shape covers some pixels.
+        require_range("min_size", self.min_size, 0.05, 1, "smallest box side as a fraction of the image side")
+        require_range("max_size", self.max_size, 0.05, 1, "largest box side as a fraction of the image side")
+        require(self.min_size <= self.max_size, "min_size", self.min_size, f"at most data.max_size={self.max_size}",
+                "sizes are drawn between the two")
+        require_range("max_overlap", self.max_overlap, 0, 1, "fraction of the smaller box two objects may share")
+        require_range("colour_jitter", self.colour_jitter, 0, 1, "per-channel change of a class colour")
 
 
 def _uniform(g: torch.Generator, low: float, high: float) -> float:

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset
 
-from data.common import LoaderConfig, item_generator
+from data.common import LoaderConfig, check_image_size, check_item_counts, item_generator, require, require_range
+
+MAX_CLASSES = 1000  # a typo guard: ImageNet's 1000 classes are the most the paper trains on
 
 
 @dataclass
@@ -25,6 +27,15 @@ class SyntheticImagesConfig(LoaderConfig):
     num_train: int = 4096
     num_eval: int = 1024
     noise: float = 0.5          # std of per-pixel Gaussian noise relative to the grating amplitude
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_range("num_classes", self.num_classes, 2, MAX_CLASSES,
+                      "grating orientations to tell apart; one class would make top-1 accuracy 100% by construction")
+        check_image_size(self.image_size, "the side of the generated square images")
+        check_item_counts(self.num_train, self.num_eval)
+        require(0 <= self.noise < math.inf, "noise", self.noise, "a finite number, 0 or more",
+                "std of the pixel noise; 0 gives clean gratings")
 
 
 class SyntheticImages(Dataset):
