@@ -34,9 +34,8 @@ def _xml(width: int, height: int, objects: list) -> str:
     return "".join(parts) + "</annotation>"
 
 
-@pytest.fixture
-def voc_root(tmp_path: Path) -> Path:
-    root = tmp_path / "VOCdevkit"
+def write_voc_tree(root: Path) -> Path:
+    """The IMAGES / SPLITS tree above, as a VOCdevkit folder at root."""
     for (year, image_id), (w, h, objects) in IMAGES.items():
         for sub in ("Annotations", "JPEGImages", "ImageSets/Main"):
             (root / year / sub).mkdir(parents=True, exist_ok=True)
@@ -46,6 +45,11 @@ def voc_root(tmp_path: Path) -> Path:
     for (year, split), ids in SPLITS.items():
         (root / year / "ImageSets" / "Main" / f"{split}.txt").write_text("\n".join(ids) + "\n")
     return root
+
+
+@pytest.fixture
+def voc_root(tmp_path: Path) -> Path:
+    return write_voc_tree(tmp_path / "VOCdevkit")
 
 
 def _cfg(root: Path, **kw: object) -> VOCConfig:
