@@ -1,7 +1,6 @@
 """Full training state in one file, written atomically, read with weights_only=True."""
 from __future__ import annotations
 
-import os
 import pickle
 import random
 import zipfile
@@ -11,6 +10,7 @@ from typing import Any
 import torch
 
 from runner.errors import UserError
+from runner.rundir import atomic_write
 
 CHECKPOINT_NAME = "checkpoint.pt"
 
@@ -30,19 +30,36 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save(path: Path, state: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".pt.tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())  # the bytes are on disk before the rename makes them the checkpoint
-    tmp.replace(path)  # the previous checkpoint survives any crash during the write
+    """Replace the checkpoint atomically: the previous one survives any crash or a full disk."""
+    atomic_write(path, lambda f: torch.save(state, f))
 
 
 def load(path: Path) -> dict[str, Any]:
+    """The checkpoint's state dict, or a UserError that says why it cannot be used (it is left untouched)."""
     try:
         # Python's random state is a tuple of ints: allowed by weights_only.
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UserError(f"checkpoint {path} is unreadable ({reason}); it was left untouched: move it aside "
-                        f"or pass trainer.resume=never with another out_dir") from None
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # torch's message advises weights_only=False; for a file that is not mpt's that would run
+        # whatever it holds, so only the unpickler's own finding is passed on.
+        finding = _first_line(str(exc).rsplit("WeightsUnpickler error:", 1)[-1], exc)
+        if finding.startswith("Unsupported global"):  # mpt writes tensors and plain values only
+            raise UserError(f"checkpoint {path} holds Python objects, not only tensors: it is not an mpt "
+                            f"checkpoint and cannot be loaded safely; it was left untouched: move it aside or "
+                            f"choose another out_dir") from None
+        raise _unreadable(path, finding) from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as exc:
+        raise _unreadable(path, _first_line(str(exc), exc)) from None
+    if not isinstance(state, dict):
+        raise UserError(f"checkpoint {path} holds a {type(state).__name__}, not an mpt checkpoint; it was left "
+                        f"untouched: move it aside or choose another out_dir")
+    return state
+
+
+def _first_line(text: str, exc: BaseException) -> str:
+    return (text.strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _unreadable(path: Path, reason: str) -> UserError:
+    return UserError(f"checkpoint {path} is unreadable ({reason}); it was left untouched: move it aside "
+                     f"or pass trainer.resume=never with another out_dir")
