@@ -7,11 +7,16 @@ keys are validated by the selected Task's own schema (models/<name>.py).
 """
 from __future__ import annotations
 
+import difflib
+import functools
+import math
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
+import torch
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from runner.errors import UserError
 from runner.gradstats import StatsConfig
@@ -51,6 +56,7 @@ class TrainerConfig(OptimizerConfig):
     abort_after_skips: int = 50        # end the run as diverged after this many consecutive skipped steps; 0: never
     deterministic: bool = False        # torch.use_deterministic_algorithms + cudnn deterministic
     checkpoint_every: int = 0          # 0: checkpoint only at the end
+    checkpoint_minutes: float | None = None  # also checkpoint when this much wall time passed since the last
     resume: str = "auto"               # auto: continue from out_dir/checkpoint.pt if present | never
 
     def for_optimizer(self, name: str) -> OptimizerConfig:
@@ -63,7 +69,7 @@ class TrainerConfig(OptimizerConfig):
             merged = OmegaConf.merge(OmegaConf.structured(base), overrides)
             chosen: OptimizerConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
         except OmegaConfBaseException as exc:
-            raise UserError(f"bad config: trainer.optimizers.{name}.{one_line(exc)}") from None
+            raise UserError(explain(exc, f"trainer.optimizers.{name}")) from None
         check_optimizer(chosen, f"trainer.optimizers.{name}")
         return chosen
 
@@ -89,22 +95,21 @@ class RootConfig:
     seed: int = 0
     device: str = "auto"
     out_root: str = "outputs"
-    run_name: str = ""
-    out_dir: str = ""
+    out_dir: str = ""                  # configs/config.yaml derives it from the run (runner/rundir.py)
     stats: StatsConfig = field(default_factory=StatsConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
 
 def _positive(v: Any) -> bool:
-    return v > 0
+    return math.isfinite(v) and v > 0
 
 
 def _non_negative(v: Any) -> bool:
-    return v >= 0
+    return math.isfinite(v) and v >= 0
 
 
 def _positive_or_null(v: Any) -> bool:
-    return v is None or v > 0
+    return v is None or _positive(v)
 
 
 def _fraction(v: Any) -> bool:
@@ -128,30 +133,65 @@ _OPTIMIZER_RANGES: dict[str, Check] = {
     "milestones": (lambda v: all(m > 0 for m in v), "positive numbers"),
 }
 
-# Other numeric keys whose range the types cannot express.
+# Every other numeric key, by its dotted path: the ranges the types cannot express.
 _CHOICES: dict[str, tuple[str, ...]] = {"trainer.resume": ("auto", "never")}
 _RANGES: dict[str, Check] = {
+    "seed": (lambda v: 0 <= v < 2**32, "in [0, 2^32)"),  # what every RNG the data sets use accepts
     **{f"trainer.{k}": (_positive, "positive") for k in ("max_steps", "log_every")},
     **{f"trainer.{k}": (_non_negative, "zero or more") for k in (
         "eval_every", "timing_warmup_steps", "abort_after_skips", "checkpoint_every")},
-    **{f"trainer.{k}": (_positive_or_null, "positive or null") for k in ("epochs", "eval_batches")},
+    **{f"trainer.{k}": (_positive_or_null, "positive or null") for k in (
+        "epochs", "eval_batches", "checkpoint_minutes")},
     **{f"scaler.{k}": (_positive, "positive") for k in ("init_scale", "growth_interval", "auto_every")},
     **{f"scaler.{k}": (_positive_or_null, "positive or null") for k in ("min_scale", "max_scale")},
-    "scaler.growth_factor": (lambda v: v > 1, "greater than 1"),
+    "scaler.growth_factor": (lambda v: math.isfinite(v) and v > 1, "greater than 1"),
     "scaler.backoff_factor": (lambda v: 0 < v < 1, "in (0, 1)"),
     "scaler.hysteresis": (lambda v: v >= 1, "1 or more"),
     "scaler.overflow_prob": (lambda v: 0 < v < 1, "in (0, 1)"),
     "scaler.beta1": (_fraction, "in [0, 1)"),
     "scaler.beta2": (_fraction, "in [0, 1)"),
     "scaler.auto_margin": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "stats.every": (_positive, "positive"),
+    # steps are numbered from 1, as in the logs: step N is the N-th optimizer step
+    "debug.nonfinite_steps": (lambda v: all(s >= 1 for s in v), "step numbers of 1 or more"),
 }
 
+_TYPE_WORDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
 
-def one_line(exc: OmegaConfBaseException) -> str:
-    """OmegaConf errors are multi-line with a key path; keep the message and the key."""
-    msg = str(exc).splitlines()[0].strip()
-    key = getattr(exc, "full_key", None)
-    return f"{key}: {msg}" if key else msg
+
+def explain(exc: OmegaConfBaseException, where: str = "") -> str:
+    """One line for an OmegaConf error, in the user's words: the key, the value and the fix.
+
+    `where` prefixes the key when the error came from a section validated on its own (model, data)."""
+    key = ".".join(part for part in (where, str(exc.full_key or "")) if part)
+    message = str(exc.msg if exc.msg is not None else exc).splitlines()[0].strip()
+    if isinstance(exc, (ConfigAttributeError, ConfigKeyError)) and " not in " in message:
+        return _unknown_key(key, exc.parent_node)
+    converted = re.match(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", message)
+    if converted:
+        value, wanted = converted.groups()
+        return f"bad config: {key}={value} must be {_TYPE_WORDS.get(wanted, wanted.lower())}"
+    not_bool = re.match(r"Value '(.*)' is not a valid bool", message)
+    if not_bool:
+        return f"bad config: {key}={not_bool.group(1)} must be true or false"
+    if "is not a ListConfig" in message:
+        return f"bad config: {key} must be a list, e.g. {key}=[1,2]"
+    if "is not a DictConfig" in message or "is not a subclass of" in message:
+        return f"bad config: {key} must be a group of keys, e.g. {key}.<name>=<value>"
+    return f"bad config: {key}: {message}" if key else f"bad config: {message}"
+
+
+def _unknown_key(key: str, parent: Any) -> str:
+    """A typo gets the closest known key of its section; a section with no keys yet takes new ones with +."""
+    known = [str(k) for k in parent.keys()] if isinstance(parent, DictConfig) else []
+    section_name, _, name = key.rpartition(".")
+    prefix = f"{section_name}." if section_name else ""
+    close = difflib.get_close_matches(name, known, n=1)
+    if close:
+        return f"bad config: unknown key {key}; did you mean {prefix}{close[0]}?"
+    if known:
+        return f"bad config: unknown key {key}; {section_name or 'the config'} has: {', '.join(known)}"
+    return f"bad config: {section_name} has no key {name} yet; new keys need a leading + (+{key}...)"
 
 
 def _check(value: Any, key: str, choices: tuple[str, ...] | None, check: Check | None) -> None:
@@ -169,6 +209,16 @@ def check_optimizer(cfg: OptimizerConfig, prefix: str) -> None:
         raise UserError(f"bad config: {prefix}.nesterov=true needs {prefix}.momentum > 0")
 
 
+def check_device(name: str) -> None:
+    """auto, or a device string torch parses (cpu, cuda, cuda:N); whether it exists is checked at run time."""
+    try:
+        kind = "auto" if name == "auto" else torch.device(name).type
+    except (RuntimeError, ValueError):
+        kind = None
+    if kind not in ("auto", "cpu", "cuda"):
+        raise UserError(f"bad config: device={name!r}; use auto, cpu, cuda or cuda:N")
+
+
 def validate(cfg: DictConfig) -> RootConfig:
     """Composed config -> typed RootConfig, or UserError naming the bad key."""
     plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
@@ -177,15 +227,16 @@ def validate(cfg: DictConfig) -> RootConfig:
         merged = OmegaConf.merge(OmegaConf.structured(RootConfig), plain)
         root: RootConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
-        raise UserError(f"bad config: {one_line(exc)}") from None
+        raise UserError(explain(exc)) from None
     for key in {**_CHOICES, **_RANGES}:
-        section_name, name = key.split(".")
-        _check(getattr(getattr(root, section_name), name), key, _CHOICES.get(key), _RANGES.get(key))
+        _check(functools.reduce(getattr, key.split("."), root), key, _CHOICES.get(key), _RANGES.get(key))
+    if root.scaler.min_scale and root.scaler.max_scale and root.scaler.min_scale > root.scaler.max_scale:
+        raise UserError(f"bad config: scaler.min_scale={root.scaler.min_scale} is above "
+                        f"scaler.max_scale={root.scaler.max_scale}")
     check_optimizer(root.trainer, "trainer")
     for name in root.trainer.optimizers:
         root.trainer.for_optimizer(name)  # checks the overrides of every named optimizer
-    if root.device not in ("auto", "cpu") and not root.device.startswith("cuda"):
-        raise UserError(f"bad config: device={root.device!r}; use auto, cpu, cuda or cuda:N")
+    check_device(root.device)
     return root
 
 
@@ -195,4 +246,4 @@ def section(schema: type, cfg: Any, where: str) -> Any:
         merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
-        raise UserError(f"bad config: {where}.{one_line(exc)}") from None
+        raise UserError(explain(exc, where)) from None
