@@ -27,14 +27,13 @@ from torchvision.models.detection.image_list import ImageList
 from torchvision.models.detection.ssd import SSD
 from torchvision.ops import box_iou
 
+from data.common import IMAGENET_MEAN, IMAGENET_STD
 from data.synthetic_detection import SyntheticDetection, SyntheticDetectionConfig
 from data.voc import VOC_CLASSES, VOCConfig, VOCDetection, check_voc
 from models.voc_map import AP_VERSIONS, VOCMeanAP
 from runner.errors import UserError
 from runner.task import Batch, EvalResult, StepContext, Task
 
-IMAGENET_MEAN = [0.485, 0.456, 0.406]
-IMAGENET_STD = [0.229, 0.224, 0.225]
 
 
 @dataclass(frozen=True)

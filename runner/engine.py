@@ -23,12 +23,13 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import Dataset
 from torchvision.utils import save_image
 
 from models import TASKS
@@ -36,11 +37,13 @@ from runner import checkpoint
 from runner.config import RootConfig, validate
 from runner.errors import UserError
 from runner.gradstats import GradStats
+from runner.interrupt import GracefulInterrupt
 from runner.loader import check_plan, epoch_batches, eval_batches, train_batches
 from runner.logs import RunLogger, write_json_atomic
 from runner.measure import SavedActivations, StepTimer, memory_report
 from runner.optim import build_optimizer, build_scheduler
 from runner.precision import PrecisionPolicy, make_policy
+from runner.rundir import RunLock, config_differences, result_config, write_run_config
 from runner.scaling import AutoScaler, make_scaler, parse_scale
 from runner.step import OptimizerSlot, TrainStep
 from runner.task import Batch, Task
@@ -92,6 +95,69 @@ def check_precision_scale(root: RootConfig, policy: PrecisionPolicy) -> None:
                         f"or choose a reduced-precision mode such as precision=mp")
 
 
+# What trainer.resume=force may change when a run continues: how long it trains.
+EXTENDABLE = ("trainer.epochs", "trainer.max_steps")
+
+
+@dataclass
+class PreviousRun:
+    """What a run directory already holds for this configuration."""
+
+    summary: dict[str, Any] | None = None  # a finished (or diverged) run: reported, never retrained
+    state: dict[str, Any] | None = None    # the checkpoint of an unfinished run: resumed
+    forced: list[str] = field(default_factory=list)  # keys trainer.resume=force allowed to differ
+
+
+def _refuse(run_dir: Path, what: str, differing: list[str], resume: str) -> UserError:
+    keys = ", ".join(differing[:6]) + (f" and {len(differing) - 6} more" if len(differing) > 6 else "")
+    hint = ("trainer.resume=force continues it with the new length" if set(differing) <= set(EXTENDABLE)
+            and resume != "force" else "choose another out_dir, or rerun with the values that run used")
+    return UserError(f"{run_dir} holds {what} whose {keys} differ from this command; {hint}")
+
+
+def inspect_run_dir(run_dir: Path, current: dict[str, Any], resume: str) -> PreviousRun:
+    """Decide what an existing run directory means for a run of config `current`.
+
+    A finished run is reported as it is; an unfinished one resumes when its configuration
+    is the same (or, with trainer.resume=force, differs only in its length). A finished run
+    that is extended keeps its summary as summary.step<N>.json. Anything else is refused.
+    """
+    summary_path, ckpt_path = run_dir / "summary.json", run_dir / checkpoint.CHECKPOINT_NAME
+    if summary_path.exists():
+        summary = read_summary(summary_path)
+        differing = config_differences(summary.get("result_config", {}), current)
+        if not differing:
+            return PreviousRun(summary=summary)
+        if not (resume == "force" and set(differing) <= set(EXTENDABLE) and ckpt_path.exists()):
+            raise _refuse(run_dir, "a finished run", differing, resume)
+    if not ckpt_path.exists():
+        return PreviousRun()
+    if resume == "never":
+        raise UserError(f"{ckpt_path} already exists and trainer.resume=never; choose another out_dir "
+                        f"(or trainer.resume=auto to continue that run)")
+    state = checkpoint.load(ckpt_path)
+    differing = config_differences(state.get("result_config", {}), current)
+    if differing and not (resume == "force" and set(differing) <= set(EXTENDABLE)):
+        raise _refuse(run_dir, "an unfinished run", differing, resume)
+    return PreviousRun(state=state, forced=differing)
+
+
+def archive_summary(run_dir: Path) -> None:
+    """Keep a finished run's summary under its step count before the run is extended."""
+    path = run_dir / "summary.json"
+    if path.exists():
+        steps = read_summary(path).get("steps")
+        path.replace(run_dir / f"summary.step{steps}.json")
+
+
+def read_summary(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path} is unreadable ({exc}); it was left untouched: move it aside to rerun "
+                        f"that run") from None
+
+
 @dataclass
 class RunPlan:
     """A checked run: everything that can be wrong with the input has been found."""
@@ -101,6 +167,9 @@ class RunPlan:
     policy: PrecisionPolicy
     task: Task
     run_dir: Path
+    train_set: Dataset
+    eval_set: Dataset
+    per_epoch: int  # batches in epoch 0 (what epochs=N and schedule_unit=epochs count)
 
 
 def check_optimizer_names(root: RootConfig, task: Task) -> None:
@@ -110,8 +179,14 @@ def check_optimizer_names(root: RootConfig, task: Task) -> None:
                         f"{unknown[0]!r}; its optimizers are: {', '.join(task.optimizer_names)}")
 
 
-def check_run(cfg: DictConfig) -> RunPlan:
-    """Validate a composed config; raises UserError with a one-line fix on bad input."""
+def check_run(cfg: DictConfig, inspect_existing: bool = True) -> RunPlan:
+    """Validate a composed config, its data and what its run directory holds; raises UserError
+    with a one-line fix on bad input.
+
+    Seeds the global RNG and builds the datasets (cheap: they read lazily), so that the
+    pre-flight of every sweep job finds a training set smaller than one batch too, and an
+    unreadable or mismatching checkpoint before any job trains.
+    """
     root = validate(cfg)
     name = None if root.model is None else root.model.get("name")
     if name not in TASKS:
@@ -122,29 +197,33 @@ def check_run(cfg: DictConfig) -> RunPlan:
     task = TASKS[name](cfg.model, cfg.data, root.seed)
     check_optimizer_names(root, task)
     task.check_data()
-    return RunPlan(root, device, policy, task, prepare_run_dir(root.out_dir))
+    run_dir = prepare_run_dir(root.out_dir)
+    if inspect_existing:
+        inspect_run_dir(run_dir, result_config(cfg), root.trainer.resume)
+    seed_everything(root.seed, root.trainer.deterministic)
+    train_set, eval_set = task.build_train_data(), task.build_eval_data()
+    batch_size = task.data_cfg.batch_size
+    first_epoch = epoch_batches(lambda g: task.epoch_batches(train_set, batch_size, g), root.seed, 0)
+    check_plan(first_epoch, train_set, batch_size)
+    return RunPlan(root, device, policy, task, run_dir, train_set, eval_set, len(first_epoch))
 
 
 class Trainer:
     """Holds one run's state; `run()` trains, evaluates, checkpoints and summarises."""
 
     def __init__(self, cfg: DictConfig) -> None:
-        plan = check_run(cfg)
+        plan = check_run(cfg, inspect_existing=False)  # run() inspects the run directory under its lock
         self.cfg, self.root, self.t = cfg, plan.root, plan.root.trainer
         self.device, self.policy, self.task, self.run_dir = plan.device, plan.policy, plan.task, plan.run_dir
         root = self.root
 
-        seed_everything(root.seed, self.t.deterministic)
         self.policy.configure_backends()
-        self.train_set = self.task.build_train_data()
-        self.eval_set = self.task.build_eval_data()
+        self.train_set, self.eval_set = plan.train_set, plan.eval_set
         data = self.task.data_cfg
         self.batch_size = data.batch_size
         self.eval_batch_size = data.eval_batch_size or data.batch_size
         self.num_workers = data.num_workers
-        first_epoch = epoch_batches(self.epoch_plan, root.seed, 0)
-        check_plan(first_epoch, self.train_set, self.batch_size)
-        per_epoch = len(first_epoch)  # epochs=N and schedule_unit=epochs count epoch 0's batches
+        per_epoch = plan.per_epoch
         self.total_steps = self.t.epochs * per_epoch if self.t.epochs else self.t.max_steps
 
         self.model = self.policy.prepare_model(self.task.build_model().to(self.device))
@@ -163,6 +242,10 @@ class Trainer:
         self._log_sums: dict[str, torch.Tensor] = {}
         self._log_count = 0
         self.diverged_reason: str | None = None
+        self.result_config = result_config(cfg)
+        self.forced: list[str] = []  # keys a trainer.resume=force resume allowed to change
+        self.log_offsets = {"metrics": 0, "stats": 0}
+        self._last_checkpoint = 0.0
         self._wall_start = time.perf_counter()
         self._wall_before = 0.0  # wall time of earlier segments of a resumed run
 
@@ -185,19 +268,18 @@ class Trainer:
                 make_scaler(self.root.scale, self.root.scaler, format_max, self.device))
         return slots
 
-    # --- identity / checkpoint -------------------------------------------------------
-    def identity(self) -> dict[str, Any]:
-        return {"model": self.task.name, "precision": self.policy.name, "scale": str(self.root.scale)}
-
+    # --- checkpoint -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
-            "identity": self.identity(),
+            "result_config": self.result_config,
             "step": self.step, "samples": self.samples,
             "model": self.model.state_dict(),
             "slots": {n: slot.state_dict() for n, slot in self.slots.items()},
             "task": self.task.state_dict(),
             "rng": checkpoint.rng_state(),
             "diverged_reason": self.diverged_reason,
+            # where the logs end at this step: a resume cuts them back to it
+            "log_offsets": {"metrics": self.logger.jsonl.offset(), "stats": self.stats.offset()},
             # the open logging window, so the first record after a resume averages the same steps
             "window": {"sums": {k: v.detach().cpu() for k, v in self._log_sums.items()},
                        "count": self._log_count, "overflows": self._window_overflows},
@@ -207,41 +289,38 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any], path: Path) -> None:
-        if state.get("identity") != self.identity():
-            raise UserError(f"checkpoint {path} belongs to {state.get('identity')}, not {self.identity()}; "
-                            f"use another out_dir or trainer.resume=never")
-        self.step, self.samples = state["step"], state["samples"]
-        self.model.load_state_dict(state["model"])
-        for name, slot in self.slots.items():
-            slot.load_state_dict(state["slots"][name])
-        self.task.load_state_dict(state["task"])
-        checkpoint.set_rng_state(state["rng"])
-        self.diverged_reason = state["diverged_reason"]
-        window = state["window"]
+        try:
+            self.step, self.samples = state["step"], state["samples"]
+            self.model.load_state_dict(state["model"])
+            for name, slot in self.slots.items():
+                slot.load_state_dict(state["slots"][name])
+            self.task.load_state_dict(state["task"])
+            checkpoint.set_rng_state(state["rng"])
+            self.diverged_reason = state["diverged_reason"]
+            self.log_offsets = state["log_offsets"]
+            window = state["window"]
+            measured = state["measurements"]
+        except (KeyError, RuntimeError, ValueError, TypeError) as exc:
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise UserError(f"checkpoint {path} does not fit this run ({reason}); it was left untouched: "
+                            f"move it aside or choose another out_dir") from None
         self._log_sums = {k: v.to(self.device) for k, v in window["sums"].items()}
         self._log_count, self._window_overflows = window["count"], window["overflows"]
-        measured = state["measurements"]
         self.activation_bytes, self.measured_on = measured["activation_bytes"], measured["measured_on"]
         self.timer.load_state_dict(measured["timer"])
         self._wall_before = measured["wall_s"]
 
     def save_checkpoint(self) -> None:
         checkpoint.save(self.run_dir / checkpoint.CHECKPOINT_NAME, self.state_dict())
+        self._last_checkpoint = time.monotonic()
+
+    def checkpoint_due(self) -> bool:
+        every, minutes = self.t.checkpoint_every, self.t.checkpoint_minutes
+        return bool((every and self.step % every == 0) or
+                    (minutes and time.monotonic() - self._last_checkpoint >= 60 * minutes))
 
     def wall_s(self) -> float:
         return self._wall_before + time.perf_counter() - self._wall_start
-
-    def maybe_resume(self) -> bool:
-        """Load an existing checkpoint. Returns True if that run had already ended (finished or diverged)."""
-        path = self.run_dir / checkpoint.CHECKPOINT_NAME
-        if not path.exists():
-            return False
-        if self.t.resume == "never":
-            raise UserError(f"{path} already exists and trainer.resume=never; choose another out_dir "
-                            f"(or trainer.resume=auto to continue that run)")
-        self.load_state_dict(checkpoint.load(path), path)
-        log.info("resumed from %s at step %d", path, self.step)
-        return self.step >= self.total_steps or self.diverged_reason is not None
 
     # --- one iteration ---------------------------------------------------------------
     def train_iteration(self, batch: Batch, measure_memory: bool) -> tuple[dict[str, torch.Tensor], bool]:
@@ -312,17 +391,33 @@ class Trainer:
                                         f"{float(s.scaler.scale):g})")
                 log.warning("diverged: %s", self.diverged_reason)
 
-    def run(self) -> dict[str, Any]:
-        summary_path = self.run_dir / "summary.json"
-        if self.maybe_resume() and summary_path.exists():
-            log.info("run already ended; summary at %s", summary_path)
-            return json.loads(summary_path.read_text())
-        logger = RunLogger(self.run_dir, self.step)
-        self.stats.open(logger.tb)
+    def run(self, overrides: list[str] | None = None) -> dict[str, Any]:
+        """Train (or resume) under the run directory's lock; a finished run returns its summary.
+
+        SIGTERM / Ctrl-C finish the step in progress, write a checkpoint and exit (130 / 143)."""
+        with RunLock(self.run_dir), GracefulInterrupt() as interrupt:
+            previous = inspect_run_dir(self.run_dir, self.result_config, self.t.resume)
+            if previous.summary is not None:
+                log.info("run already ended; summary at %s", self.run_dir / "summary.json")
+                return previous.summary
+            if previous.state is not None:
+                archive_summary(self.run_dir)  # only there when a finished run is extended (force)
+                self.load_state_dict(previous.state, self.run_dir / checkpoint.CHECKPOINT_NAME)
+                self.forced = previous.forced
+                log.info("resumed at step %d%s", self.step,
+                         f" (trainer.resume=force: {', '.join(previous.forced)} changed)" if previous.forced else "")
+            else:
+                write_run_config(self.run_dir, self.cfg, overrides or [])
+            return self.train_and_summarise(interrupt)
+
+    def train_and_summarise(self, interrupt: GracefulInterrupt) -> dict[str, Any]:
+        self.logger = RunLogger(self.run_dir, self.step, self.log_offsets["metrics"])
+        self.stats.open(self.logger.tb, self.log_offsets["stats"])
         self.model.train()
         stream = train_batches(self.train_set, self.epoch_plan, self.num_workers, self.task.collate,
                                self.root.seed, self.step, self.task.reset_state)
         largest = -1 if self.measured_on is None else self.measured_on["count"]
+        self._last_checkpoint = time.monotonic()
         try:
             while self.step < self.total_steps and self.diverged_reason is None:
                 host_batch = next(stream)
@@ -344,21 +439,24 @@ class Trainer:
                 self.step += 1
                 self.samples += count
                 if self.step % self.t.log_every == 0 or self.step == self.total_steps:
-                    self.log_train(logger)
+                    self.log_train(self.logger)
                 if self.t.eval_every and self.step % self.t.eval_every == 0 and self.step < self.total_steps:
-                    self.evaluate(logger)
-                if self.t.checkpoint_every and self.step % self.t.checkpoint_every == 0:
-                    self.save_checkpoint()
+                    self.evaluate(self.logger)
                 self.check_skips()
+                if interrupt.requested:
+                    self.save_checkpoint()
+                    interrupt.stop(self.step)
+                if self.checkpoint_due():
+                    self.save_checkpoint()
             if self._log_count:
-                self.log_train(logger)
+                self.log_train(self.logger)
             self.save_checkpoint()
-            metrics = self.evaluate(logger)
+            metrics = self.evaluate(self.logger)
         finally:
             self.stats.close()
-            logger.close()
+            self.logger.close()
         summary = self.summary(metrics, self.diverged_reason, self.wall_s())
-        write_json_atomic(summary_path, summary)
+        write_json_atomic(self.run_dir / "summary.json", summary)
         return summary
 
     def summary(self, metrics: dict[str, float], diverged_reason: str | None, wall_s: float) -> dict[str, Any]:
@@ -397,6 +495,8 @@ class Trainer:
             "diverged_reason": diverged_reason,
             "wall_s": wall_s,
             "run_dir": str(self.run_dir),
+            "resume_forced": self.forced,
+            "result_config": self.result_config,
             "config": OmegaConf.to_container(self.cfg, resolve=True),
         }
 
@@ -407,6 +507,8 @@ def logs_checked(values: dict[str, Any]) -> list[str]:
             and isinstance(v, float)]
 
 
-def train(cfg: DictConfig) -> dict[str, Any]:
-    """Train one run described by a composed config; returns (and writes) its summary."""
-    return Trainer(cfg).run()
+def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Train one run described by a composed config; returns (and writes) its summary.
+
+    `overrides`: the command line's, recorded in <run_dir>/.hydra/overrides.yaml on a fresh start."""
+    return Trainer(cfg).run(overrides)

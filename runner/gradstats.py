@@ -49,19 +49,18 @@ The `auto` loss scaler reads its max|grad| from this collector every
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, ContextManager, Iterator, TextIO
+from typing import Any, ContextManager, Iterator
 
 import torch
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
 from runner.errors import UserError
-from runner.logs import json_safe
+from runner.logs import JsonlLog
 from runner.precision import BoundParams
 from runner.scaling import dense_values, grad_abs_max
 from runner.trees import map_tensors
@@ -215,20 +214,25 @@ class GradStats:
         self.layers = [(name, m) for name, m in model.named_modules() if next(m.children(), None) is None]
         self._sample: _Sample | None = None
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._file: TextIO | None = None
+        self._log: JsonlLog | None = None
         self._tb: SummaryWriter | None = None
 
     # --- lifecycle -----------------------------------------------------------------
-    def open(self, tb: SummaryWriter) -> None:
-        """Start writing (appending on resume); nothing is created when stats are off."""
+    def open(self, tb: SummaryWriter, offset: int = 0) -> None:
+        """Start writing stats.jsonl at `offset` bytes (a resumed run's checkpoint value); nothing
+        is created when stats are off."""
         if self.cfg.enabled:
             self._tb = tb
-            self._file = open(self.path, "a", encoding="utf-8")
+            self._log = JsonlLog(self.path, offset)
+
+    def offset(self) -> int:
+        """Bytes of stats.jsonl written so far, for the checkpoint."""
+        return 0 if self._log is None else self._log.offset()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
     def begin(self, step: int) -> None:
         """step: the 1-based number of the iteration about to run; steps 1, 1+N, 1+2N ... are sampled."""
@@ -351,8 +355,7 @@ class GradStats:
                 "ratio_bins": [RATIO_BINS.lo, RATIO_BINS.hi],
                 "ratio_hist": _hist_json(single["ratio"], RATIO_BINS),
             }
-        self._file.write(json.dumps(json_safe(record)) + "\n")
-        self._file.flush()
+        self._log.write(record)
         _log_tensorboard(self._tb, record)
 
 

@@ -33,7 +33,8 @@ def test_learns_the_synthetic_set_above_chance(tiny_cfg):
 def test_outputs_carry_the_contract(tiny_cfg):
     summary = train(tiny_cfg("precision=mp", "scale=dynamic"))
     run_dir = Path(summary["run_dir"])
-    assert run_dir.parts[-3:] == ("resnet50", "mp-dynamic", "seed0")
+    # <model>/<precision>-<scale>/<the tiny overrides, hashed: too long for a name>/seed<seed>
+    assert run_dir.parts[-4:-2] == ("resnet50", "mp-dynamic") and run_dir.parts[-1] == "seed0"
     on_disk = json.loads((run_dir / "summary.json").read_text())
     assert SUMMARY_KEYS <= on_disk.keys() and MEMORY_KEYS <= on_disk["memory"].keys()
     assert on_disk["metric_name"] == "top1" and on_disk["metric"] == on_disk["metrics"]["top1"]
@@ -84,7 +85,10 @@ def test_resume_reproduces_the_uninterrupted_scale_trajectory(tiny_cfg, tmp_path
               "debug.nonfinite_steps=[2,6]", "trainer.schedule=constant", "trainer.log_every=1")
     whole = train(tiny_cfg(*common, "trainer.max_steps=8", "out_dir=" + str(tmp_path / "whole")))
     train(tiny_cfg(*common, "trainer.max_steps=4", "out_dir=" + str(tmp_path / "split")))
-    resumed = train(tiny_cfg(*common, "trainer.max_steps=8", "out_dir=" + str(tmp_path / "split")))
+    resumed = train(tiny_cfg(*common, "trainer.max_steps=8", "trainer.resume=force",
+                             "out_dir=" + str(tmp_path / "split")))
+    assert resumed["resume_forced"] == ["trainer.max_steps"]
+    assert json.loads((tmp_path / "split" / "summary.step4.json").read_text())["steps"] == 4  # kept
     scales = lambda d: [(r["step"], r["loss_scale"]) for r in records(tmp_path / d, "train")]  # noqa: E731
     assert scales("split") == scales("whole")
     assert [s for _, s in scales("whole")] == [1024, 512, 512, 1024, 1024, 512, 512, 1024]
