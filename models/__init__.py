@@ -1,6 +1,7 @@
 """One file per paper model: the network and its Task. TASKS maps `model.name` to it."""
 from __future__ import annotations
 
+from models.biglstm import BigLSTMTask
 from models.resnet50 import ResNet50Task
 from models.ssd import SSDTask
 from runner.task import Task
@@ -8,4 +9,5 @@ from runner.task import Task
 TASKS: dict[str, type[Task]] = {
     "resnet50": ResNet50Task,
     "ssd": SSDTask,
+    "biglstm": BigLSTMTask,
 }
