@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from models.biglstm import BigLSTMTask
+from models.deepspeech import DeepSpeechTask
 from models.resnet50 import ResNet50Task
 from models.ssd import SSDTask
 from runner.task import Task
@@ -9,5 +10,6 @@ from runner.task import Task
 TASKS: dict[str, type[Task]] = {
     "resnet50": ResNet50Task,
     "ssd": SSDTask,
+    "deepspeech": DeepSpeechTask,
     "biglstm": BigLSTMTask,
 }
