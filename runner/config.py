@@ -57,7 +57,7 @@ class TrainerConfig(OptimizerConfig):
     deterministic: bool = False        # torch.use_deterministic_algorithms + cudnn deterministic
     checkpoint_every: int = 0          # 0: checkpoint only at the end
     checkpoint_minutes: float | None = None  # also checkpoint when this much wall time passed since the last
-    resume: str = "auto"               # auto: continue from out_dir/checkpoint.pt if present | never
+    resume: str = "auto"               # auto: continue a matching run | never: refuse an existing one | force: may change its length
 
     def for_optimizer(self, name: str) -> OptimizerConfig:
         """The settings of optimizer `name`: trainer.* with trainer.optimizers.<name>.* on top."""
@@ -134,7 +134,7 @@ _OPTIMIZER_RANGES: dict[str, Check] = {
 }
 
 # Every other numeric key, by its dotted path: the ranges the types cannot express.
-_CHOICES: dict[str, tuple[str, ...]] = {"trainer.resume": ("auto", "never")}
+_CHOICES: dict[str, tuple[str, ...]] = {"trainer.resume": ("auto", "never", "force")}
 _RANGES: dict[str, Check] = {
     "seed": (lambda v: 0 <= v < 2**32, "in [0, 2^32)"),  # what every RNG the data sets use accepts
     **{f"trainer.{k}": (_positive, "positive") for k in ("max_steps", "log_every")},

