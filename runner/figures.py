@@ -12,11 +12,16 @@ writes PNGs to --out (default <run dir>/figures) and prints their paths:
                     of paper 3.1 marked, and the lost fraction per sampled step.
   loss_scale.png    the loss scale per logged step; logging windows that skipped
                     steps (non-finite gradients) are marked.
+
+`mpt-figures --compare <run A> <run B> [--out FILE]`: the last `samples_step<N>.png`
+grids of two runs side by side (e.g. fp32 and mp of the same seed: paper Figure 6),
+titled with each run's precision; default FILE: compare_samples.png.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -25,6 +30,7 @@ from typing import Any
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.image import imread
 
 from runner.errors import EXIT_USER_ERROR, UserError
 from runner.gradstats import (FP16_NORMAL_FROM, FP16_OVERFLOW_FROM, FP16_ZERO_BELOW, fp16_regions,
@@ -194,13 +200,47 @@ def render(run_dir: Path, out_dir: Path) -> list[Path]:
     return [p for p in written if p is not None]
 
 
+def last_samples(run_dir: Path) -> Path:
+    """The sample grid of a run's latest evaluation, or UserError naming the fix."""
+    found = {int(m.group(1)): p for p in run_dir.glob("samples_step*.png")
+             if (m := re.fullmatch(r"samples_step(\d+)\.png", p.name))}
+    if not found:
+        raise UserError(f"{run_dir} has no samples_step<N>.png; pass the out_dir of a finished GAN run "
+                        f"(e.g. outputs/dcgan/fp32/seed0)")
+    return found[max(found)]
+
+
+def compare_samples(run_dirs: list[Path], out: Path) -> Path:
+    """The runs' latest sample grids side by side, titled with precision and step."""
+    fig = Figure(figsize=(5 * len(run_dirs), 5.4))
+    for i, run_dir in enumerate(run_dirs):
+        path = last_samples(run_dir)
+        summary = run_dir / "summary.json"
+        precision = json.loads(summary.read_text())["precision"] if summary.exists() else run_dir.name
+        ax = fig.add_subplot(1, len(run_dirs), i + 1)
+        ax.imshow(imread(path))
+        ax.set_title(f"{precision} ({path.stem.removeprefix('samples_')})")
+        ax.axis("off")
+    fig.tight_layout()
+    return _save(fig, out)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="mpt-figures", description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", type=Path, help="a run's out_dir, trained with stats.enabled=true")
-    parser.add_argument("--out", type=Path, default=None, help="where to write the PNGs (default: <run_dir>/figures)")
+    parser.add_argument("run_dir", type=Path, nargs="?", help="a run's out_dir, trained with stats.enabled=true")
+    parser.add_argument("--compare", type=Path, nargs=2, metavar="RUN_DIR",
+                        help="put the last sample grids of two runs side by side (e.g. fp32 and mp)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where to write the PNGs (default: <run_dir>/figures; with --compare: a PNG file, "
+                             "default compare_samples.png)")
     args = parser.parse_args(argv)
+    if (args.run_dir is None) == (args.compare is None):
+        parser.error("give either a run directory or --compare <run A> <run B>")
     try:
-        paths = render(args.run_dir, args.out or args.run_dir / "figures")
+        if args.compare:
+            paths = [compare_samples(args.compare, args.out or Path("compare_samples.png"))]
+        else:
+            paths = render(args.run_dir, args.out or args.run_dir / "figures")
     except UserError as exc:
         print(f"mpt-figures: error: {exc}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
