@@ -215,6 +215,7 @@ class GradStats:
         self._sample: _Sample | None = None
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._log: JsonlLog | None = None
+        self._backward_ratio: torch.Tensor | None = None
         self._tb: SummaryWriter | None = None
 
     # --- lifecycle -----------------------------------------------------------------
@@ -272,10 +273,19 @@ class GradStats:
             t.register_hook(partial(self._on_activation_grad, name))
         return t
 
+    def backward_scale(self, ratio: torch.Tensor | None) -> None:
+        """The backward about to run is scaled by ratio x the step's reference scale (the first
+        optimizer's, which end() receives); None: by the reference scale itself. With several
+        optimizers (a GAN) each loss has its own scale: activation gradients are brought to the
+        reference scale before they are recorded, so one histogram and max hold one scale."""
+        self._backward_ratio = ratio
+
     def _on_activation_grad(self, name: str, grad: torch.Tensor) -> None:
         s = self._sample
         if s is None or grad.numel() == 0:
             return
+        if self._backward_ratio is not None:
+            grad = grad / self._backward_ratio
         s.act_max = _running_max(s.act_max, grad.detach().abs().amax().float())
         if s.full and self.cfg.activations:  # the hooks may be there only for the auto scaler
             key = name if self.cfg.per_layer else _ALL

@@ -25,8 +25,8 @@ class StepTimer:
         self.cuda = device.type == "cuda"
         self.warmup_steps = warmup_steps
         self.durations_ms: list[float] = []
-        self.counts: list[int] = []
-        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
+        self.counts: list[float] = []
+        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event, float]] = []
         self._seen = 0
         self._t0 = 0.0
         self._start_event: torch.cuda.Event | None = None
@@ -38,7 +38,7 @@ class StepTimer:
         else:
             self._t0 = time.perf_counter()
 
-    def stop(self, count: int) -> None:
+    def stop(self, count: float) -> None:
         self._seen += 1
         timed = self._seen > self.warmup_steps
         if self.cuda:
@@ -53,7 +53,7 @@ class StepTimer:
     def state_dict(self) -> dict[str, Any]:
         self.flush()
         return {"durations_ms": torch.tensor(self.durations_ms, dtype=torch.float64),
-                "counts": torch.tensor(self.counts, dtype=torch.int64), "seen": self._seen}
+                "counts": torch.tensor(self.counts, dtype=torch.float64), "seen": self._seen}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.durations_ms = state["durations_ms"].tolist()

@@ -95,7 +95,8 @@ def decay_groups(model: nn.Module, weight_decay: float | None = None) -> list[di
         for name, p in module.named_parameters(recurse=False):
             if not p.requires_grad:
                 continue
-            (no_decay if isinstance(module, no_decay_types) or name.endswith("bias") else decay).append(p)
+            is_bias = name.startswith("bias") or name.endswith("bias")  # bias, bias_ih_l0 (RNNs), ...
+            (no_decay if isinstance(module, no_decay_types) or is_bias else decay).append(p)
     first: dict[str, Any] = {"params": decay}
     if weight_decay is not None:
         first["weight_decay"] = weight_decay
@@ -158,7 +159,7 @@ class Task:
         return {"main": model.parameters()}
 
     # --- running ------------------------------------------------------------------
-    def count(self, batch: Batch) -> int:
+    def count(self, batch: Batch) -> float:
         """How much this batch counts for throughput, in `count_unit` (read on the host)."""
         x = batch["input"]
         return int(x.shape[0]) if isinstance(x, torch.Tensor) else len(x)

@@ -354,11 +354,8 @@ def test_ctc_greedy_decoded_error_goes_down(toy, precision: str) -> None:
 
 
 # ======================================================================================
-# Gaps found while writing these tests
+# Engine gaps found while writing these tests (fixed; kept as regression tests)
 # ======================================================================================
-@pytest.mark.xfail(reason="engine bug: runner/task.py decay_groups tests name.endswith('bias'), but nn.LSTM/GRU "
-                          "biases are named bias_ih_l0 / bias_hh_l0(_reverse): RNN biases get weight decay",
-                   strict=True)
 def test_decay_groups_exempt_recurrent_biases() -> None:
     net = ToyLMNet(ToyLMModelConfig())
     no_decay = {id(p) for p in decay_groups(net)[1]["params"]}
@@ -366,9 +363,6 @@ def test_decay_groups_exempt_recurrent_biases() -> None:
         "embed.weight", "lstm.bias_ih_l0", "lstm.bias_hh_l0", "out.bias"]
 
 
-@pytest.mark.xfail(reason="engine bug: activation-gradient statistics (and scale=auto's max|grad|) are unscaled by "
-                          "the first optimizer's loss scale (engine.py train_iteration: stats.end(number, "
-                          "first.scaler.scale)), also for gradients another optimizer's backward scaled", strict=True)
 def test_activation_stats_of_the_generator_use_the_generator_scale(toy) -> None:
     """The gen step of iteration 1 overflows: from then on gen's scale is 512, disc's 1024. G's layers only
     get gradients from the gen backward, so their histograms were recorded at 512."""
