@@ -2,16 +2,16 @@
 from __future__ import annotations
 
 from models.biglstm import BigLSTMTask
-from models.deepspeech import DeepSpeechTask
 from models.dcgan import DCGANTask
+from models.deepspeech import DeepSpeechTask
 from models.resnet50 import ResNet50Task
 from models.ssd import SSDTask
 from runner.task import Task
 
-TASKS: dict[str, type[Task]] = {
+TASKS: dict[str, type[Task]] = {  # in the paper's order (sections 4.1 - 4.6)
     "resnet50": ResNet50Task,
     "ssd": SSDTask,
-    "dcgan": DCGANTask,
     "deepspeech": DeepSpeechTask,
     "biglstm": BigLSTMTask,
+    "dcgan": DCGANTask,
 }
