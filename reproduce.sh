@@ -31,19 +31,26 @@ run_tests() {
 quick_reproduction() {
   local out=outputs/reproduce
   run() { "$VENV/bin/mpt-run" "$@" "out_root=$out"; }  # overrides after -m: argparse wants flags first
+  run_dir_of() { dirname "$(find "$out/$1" -name summary.json | sort | head -n 1)"; }  # <model>/<precision>
   echo "== ResNet-50 (narrow, synthetic images): FP32 baseline, the paper's MP, torch.amp"
   run -m experiment=quick_resnet50 precision=fp32,mp,amp
-  # FP16 arithmetic is emulated on CPUs (~14x slower than FP32 here), so without a GPU the SSD
-  # comparison uses pseudo_fp16: the same FP16 storage (underflow and overflow included) with FP32
+  # FP16 arithmetic is emulated on CPUs (~14x slower than FP32 here), so without a GPU the other
+  # comparisons use pseudo_fp16: the same FP16 storage (underflow and overflow included) with FP32
   # math, which the paper (4.3) argues is numerically equivalent. On a GPU it is the real mp.
-  local ssd_mp=mp
-  "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' || ssd_mp=pseudo_fp16
-  echo "== SSD (reduced, synthetic detection): FP32, $ssd_mp with loss scale 8, $ssd_mp without scaling"
+  local low=mp
+  "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' || low=pseudo_fp16
+  echo "== SSD (reduced, synthetic detection): FP32, $low with loss scale 8, $low without scaling"
   run -m experiment=quick_ssd precision=fp32
-  run -m experiment=quick_ssd precision=$ssd_mp scale=8,none
+  run -m experiment=quick_ssd precision=$low scale=8,none
+  echo "== DeepSpeech 2 (tiny, synthetic speech): FP32 vs FP16 storage only (paper 4.3), gradient statistics"
+  # A tiny GRU model: one thread per process is faster than two (less synchronisation per small op).
+  OMP_NUM_THREADS=1 run experiment=quick_deepspeech precision=fp32
+  OMP_NUM_THREADS=1 run experiment=quick_deepspeech precision=pseudo_fp16 stats.enabled=true
+  if [[ $low == mp ]]; then run experiment=quick_deepspeech precision=mp; fi
+  "$VENV/bin/mpt-figures" "$(run_dir_of deepspeech/pseudo_fp16)"
   echo "== Gradient statistics (paper Fig. 2b/3 and 3.1): ResNet-50, FP16 storage emulated, loss scale 8"
   run experiment=quick_resnet50 precision=pseudo_fp16 scale=8 stats.enabled=true stats.every=50
-  "$VENV/bin/mpt-figures" "$out/resnet50/pseudo_fp16-8/seed0"
+  "$VENV/bin/mpt-figures" "$(run_dir_of resnet50/pseudo_fp16-8)"
   echo "== FP32 vs reduced precision ($out/report.md)"
   "$VENV/bin/mpt-report" "$out" --out "$out/report.md"
   echo "Outputs: $out (tensorboard --logdir $out)"

@@ -8,10 +8,16 @@ alike, and the reported ratio is the median over rounds of
     python bench/bench_engine.py                        # tiny ResNet-50, fp32, CPU
     python bench/bench_engine.py --precision amp --scale dynamic
     python bench/bench_engine.py --width 1 --depth 3 4 6 3 --image-size 224 --batch 256   # on a GPU
+    python bench/bench_engine.py --model biglstm        # the sequence row: quick_biglstm's LSTM LM
+
+The biglstm row runs the task's own train_step in both loops (sampled softmax, carried
+state, sparse embedding gradients); the plain loop hands it a context that does
+backward + Adagrad step by hand, so only the engine's machinery differs.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 from pathlib import Path
@@ -21,6 +27,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import device_batches, device_label, engine_step, resnet_trainer, time_per_step  # noqa: E402
+
+from runner.cli import compose_job  # noqa: E402
+from runner.engine import Trainer  # noqa: E402
 
 
 def plain_step_fn(model, opt, device: torch.device, precision: str, scaler: torch.amp.GradScaler | None):
@@ -41,8 +50,40 @@ def plain_step_fn(model, opt, device: torch.device, precision: str, scaler: torc
     return step
 
 
+class PlainContext:
+    """The hand-written loop's side of the step context: backward, step, no scaling or casting."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        self.optimizer, self.device = optimizer, device
+
+    def cast(self, x):
+        return x
+
+    def fp32(self, *tensors):
+        return contextlib.nullcontext(tensors[0] if len(tensors) == 1 else tensors)
+
+    def optimize(self, loss: torch.Tensor, name: str = "main") -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+
+
+def lstm_row(args: argparse.Namespace) -> tuple:
+    """(engine Trainer, plain step, batches) for quick_biglstm's model in fp32."""
+    engine = Trainer(compose_job(["experiment=quick_biglstm", f"device={args.device}", "trainer.grad_clip=null",
+                                  "trainer.resume=never", "out_dir=/tmp/mpt-bench-engine-lstm"]))
+    batches = [engine.to_device(engine.task.collate([engine.train_set[i]])) for i in range(args.steps)]
+    plain_model = engine.task.build_model().to(engine.device)
+    plain_model.load_state_dict(engine.model.state_dict())
+    ctx = PlainContext(torch.optim.Adagrad(plain_model.parameters(), lr=engine.t.lr,
+                                           initial_accumulator_value=engine.t.initial_accumulator_value),
+                       engine.device)
+    return engine, (lambda batch: engine.task.train_step(plain_model, batch, ctx)), batches
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="resnet50", choices=["resnet50", "biglstm"])
     p.add_argument("--precision", default="fp32", choices=["fp32", "amp"])
     p.add_argument("--scale", default="none")
     p.add_argument("--width", type=float, default=0.25)
@@ -56,16 +97,21 @@ def main() -> None:
     if args.precision == "fp32" and args.scale != "none":
         p.error("fp32 takes no loss scale")
 
-    engine = resnet_trainer(args.precision, args.scale, args.width, args.depth, args.image_size, args.batch,
-                            args.steps, args.device, "/tmp/mpt-bench-engine")
-    device = engine.device
-    batches = device_batches(engine, args.steps, args.batch)
-
-    plain_model = engine.task.build_model().to(device)
-    plain_model.load_state_dict(engine.model.state_dict())
-    plain_opt = torch.optim.SGD(plain_model.parameters(), lr=engine.t.lr, momentum=engine.t.momentum)
-    plain_scaler = torch.amp.GradScaler(device.type) if args.scale == "dynamic" else None
-    plain = plain_step_fn(plain_model, plain_opt, device, args.precision, plain_scaler)
+    if args.model == "biglstm":
+        if args.precision != "fp32":
+            p.error("the biglstm row is fp32 only")
+        engine, plain, batches = lstm_row(args)
+        device = engine.device
+    else:
+        engine = resnet_trainer(args.precision, args.scale, args.width, args.depth, args.image_size, args.batch,
+                                args.steps, args.device, "/tmp/mpt-bench-engine")
+        device = engine.device
+        batches = device_batches(engine, args.steps, args.batch)
+        plain_model = engine.task.build_model().to(device)
+        plain_model.load_state_dict(engine.model.state_dict())
+        plain_opt = torch.optim.SGD(plain_model.parameters(), lr=engine.t.lr, momentum=engine.t.momentum)
+        plain_scaler = torch.amp.GradScaler(device.type) if args.scale == "dynamic" else None
+        plain = plain_step_fn(plain_model, plain_opt, device, args.precision, plain_scaler)
 
     ours = engine_step(engine)
     for step in (ours, plain):  # warm-up: allocator, cudnn autotune, lazy optimizer state
@@ -77,8 +123,10 @@ def main() -> None:
         ratios.append(e / q)
         engine_ms.append(e * 1e3)
         plain_ms.append(q * 1e3)
-    print(f"device: {device_label(device)}; precision={args.precision} scale={args.scale}; ResNet-50 width={args.width} "
-          f"depth={args.depth} image={args.image_size} batch={args.batch}; {args.rounds} rounds x {args.steps} steps")
+    shape = ("quick_biglstm LSTM LM (sampled softmax, sparse embedding)" if args.model == "biglstm" else
+             f"ResNet-50 width={args.width} depth={args.depth} image={args.image_size} batch={args.batch}")
+    print(f"device: {device_label(device)}; precision={args.precision} scale={args.scale}; {shape}; "
+          f"{args.rounds} rounds x {args.steps} steps")
     print(f"engine step {statistics.median(engine_ms):.2f} ms, plain step {statistics.median(plain_ms):.2f} ms (medians)")
     print(f"engine/plain ratio: median {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")
 
