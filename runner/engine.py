@@ -79,7 +79,7 @@ def prepare_run_dir(out_dir: str) -> Path:
     run_dir = Path(out_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write_test"
+        probe = run_dir / f".write_test.{os.getpid()}"  # per process: two runs may start at once
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
