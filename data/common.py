@@ -4,9 +4,11 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from PIL import Image
+from torch.utils.data import Dataset
 
 from runner.errors import UserError
 
@@ -70,6 +72,26 @@ def item_generator(seed: int, split: str, index: int) -> torch.Generator:
     """A generator that makes item `index` of `split` the same on every run and worker."""
     split_id = {"train": 0, "eval": 1}[split]
     return torch.Generator().manual_seed((seed * 1_000_003 + split_id) * 10_000_019 + index)
+
+
+class DrawnImages(Dataset):
+    """Base of the built-in image sets drawn item by item: `num_train` / `num_eval` items, a
+    [-1, 1] coordinate grid (`xx`, `yy`) of `image_size` pixels, and a per-item generator."""
+
+    def __init__(self, cfg: Any, split: str, seed: int) -> None:
+        self.cfg, self.split, self.seed = cfg, split, seed
+        self.length = cfg.num_train if split == "train" else cfg.num_eval
+        coords = torch.linspace(-1.0, 1.0, cfg.image_size)
+        self.yy, self.xx = torch.meshgrid(coords, coords, indexing="ij")
+
+    def __len__(self) -> int:
+        return self.length
+
+    def generator(self, index: int) -> torch.Generator:
+        """Item `index`'s random source (IndexError past the end, as a Dataset must)."""
+        if not 0 <= index < self.length:
+            raise IndexError(index)
+        return item_generator(self.seed, self.split, index)
 
 
 def first_line(exc: BaseException) -> str:

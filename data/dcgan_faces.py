@@ -14,9 +14,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch.utils.data import Dataset
 
-from data.common import LoaderConfig, check_image_size, check_item_counts, item_generator, require
+from data.common import DrawnImages, LoaderConfig, check_image_size, check_item_counts, require
 
 EDGE = 0.04  # softness of every drawn edge, in units of the half image side
 
@@ -49,22 +48,11 @@ def _hue_to_rgb(hue: float) -> torch.Tensor:
     return 0.5 + 0.5 * torch.cos(2 * math.pi * hue - phases)
 
 
-class SyntheticFaces(Dataset):
+class SyntheticFaces(DrawnImages):
     """Items are (image [3, S, S] in [-1, 1], 0): the DCGAN's tanh range, a dummy label."""
 
-    def __init__(self, cfg: SyntheticFacesConfig, split: str, seed: int) -> None:
-        self.cfg, self.split, self.seed = cfg, split, seed
-        self.length = cfg.num_train if split == "train" else cfg.num_eval
-        coords = torch.linspace(-1.0, 1.0, cfg.image_size)
-        self.yy, self.xx = torch.meshgrid(coords, coords, indexing="ij")
-
-    def __len__(self) -> int:
-        return self.length
-
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        if not 0 <= index < self.length:
-            raise IndexError(index)
-        g = item_generator(self.seed, self.split, index)
+        g = self.generator(index)
         cx, cy, size, skin, hue, eyes, smile = torch.rand(7, generator=g).tolist()
         cx, cy = 0.3 * (cx - 0.5), 0.3 * (cy - 0.5)
         rx, ry = 0.45 + 0.25 * size, 0.55 + 0.3 * size

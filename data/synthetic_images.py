@@ -12,9 +12,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch.utils.data import Dataset
 
-from data.common import LoaderConfig, check_image_size, check_item_counts, item_generator, require, require_range
+from data.common import DrawnImages, LoaderConfig, check_image_size, check_item_counts, require, require_range
 
 MAX_CLASSES = 1000  # a typo guard: ImageNet's 1000 classes are the most the paper trains on
 
@@ -38,25 +37,13 @@ class SyntheticImagesConfig(LoaderConfig):
                 "std of the pixel noise; 0 gives clean gratings")
 
 
-class SyntheticImages(Dataset):
-    def __init__(self, cfg: SyntheticImagesConfig, split: str, seed: int) -> None:
-        self.cfg, self.split, self.seed = cfg, split, seed
-        self.length = cfg.num_train if split == "train" else cfg.num_eval
-        n = cfg.image_size
-        coords = torch.linspace(-1.0, 1.0, n)
-        self.yy, self.xx = torch.meshgrid(coords, coords, indexing="ij")
-
+class SyntheticImages(DrawnImages):
     @property
     def num_classes(self) -> int:
         return self.cfg.num_classes
 
-    def __len__(self) -> int:
-        return self.length
-
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        if not 0 <= index < self.length:
-            raise IndexError(index)
-        g = item_generator(self.seed, self.split, index)
+        g = self.generator(index)
         cfg = self.cfg
         label = int(torch.randint(cfg.num_classes, (), generator=g))
         r = torch.rand(6, generator=g)
