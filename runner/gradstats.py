@@ -273,6 +273,11 @@ class GradStats:
             t.register_hook(partial(self._on_activation_grad, name))
         return t
 
+    @property
+    def sampling(self) -> bool:
+        """Whether the step in progress is sampled (hooks installed); False costs nothing."""
+        return self._sample is not None
+
     def backward_scale(self, ratio: torch.Tensor | None) -> None:
         """The backward about to run is scaled by ratio x the step's reference scale (the first
         optimizer's, which end() receives); None: by the reference scale itself. With several

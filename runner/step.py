@@ -102,8 +102,9 @@ class TrainStep:
 
     def backward(self, loss: torch.Tensor, name: str = "main") -> None:
         slot = self._slot(name)
-        reference = next(iter(self.slots.values()))  # the scale gradient statistics are recorded at
-        self.stats.backward_scale(None if slot is reference else slot.scaler.scale / reference.scaler.scale)
+        if self.stats.sampling:  # a second optimizer's scale, relative to the one statistics record at
+            reference = next(iter(self.slots.values()))
+            self.stats.backward_scale(None if slot is reference else slot.scaler.scale / reference.scaler.scale)
         with torch.autocast(self.device.type, enabled=False):  # backward never autocasts
             torch.autograd.backward(slot.scaler.scale_loss(loss), inputs=slot.params.model_params)
 

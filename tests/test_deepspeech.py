@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from data.deepspeech_audio import ALPHABET, SpeechDataConfig, collate_utterances, length_buckets, log_spectrogram, \
+from data.deepspeech_audio import ALPHABET, SpeechDataConfig, length_buckets, log_spectrogram, \
     spec_augment
 from data.deepspeech_synthetic import SyntheticSpeech, SyntheticSpeechConfig
 from models.deepspeech import DeepSpeech2, DeepSpeechConfig, DeepSpeechTask, greedy_decode
