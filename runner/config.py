@@ -93,6 +93,10 @@ class RootConfig:
     scale: Any = "none"
     scaler: ScalerConfig = field(default_factory=ScalerConfig)
     seed: int = 0
+    # CPU threads of torch's intra-op pool (torch.set_num_threads); null keeps torch's default
+    # (one per core). The thread count changes the order of floating-point reductions, so it is
+    # part of a run's result: the quick presets pin it to make reruns bit-identical anywhere.
+    threads: int | None = None
     device: str = "auto"
     out_root: str = "outputs"
     out_dir: str = ""                  # configs/config.yaml derives it from the run (runner/rundir.py)
@@ -137,6 +141,7 @@ _OPTIMIZER_RANGES: dict[str, Check] = {
 _CHOICES: dict[str, tuple[str, ...]] = {"trainer.resume": ("auto", "never", "force")}
 _RANGES: dict[str, Check] = {
     "seed": (lambda v: 0 <= v < 2**32, "in [0, 2^32)"),  # what every RNG the data sets use accepts
+    "threads": (_positive_or_null, "positive or null"),
     **{f"trainer.{k}": (_positive, "positive") for k in ("max_steps", "log_every")},
     **{f"trainer.{k}": (_non_negative, "zero or more") for k in (
         "eval_every", "timing_warmup_steps", "abort_after_skips", "checkpoint_every")},

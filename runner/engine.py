@@ -67,7 +67,10 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({os.cpu_count()} logical cores, {torch.get_num_threads()} threads)"
 
 
-def seed_everything(seed: int, deterministic: bool) -> None:
+def seed_everything(seed: int, deterministic: bool, threads: int | None) -> None:
+    """Everything that decides a run's numbers on this machine: RNGs, algorithms, CPU threads."""
+    if threads is not None:
+        torch.set_num_threads(threads)
     random.seed(seed)
     torch.manual_seed(seed)
     torch.use_deterministic_algorithms(deterministic)
@@ -200,7 +203,7 @@ def check_run(cfg: DictConfig, inspect_existing: bool = True) -> RunPlan:
     run_dir = prepare_run_dir(root.out_dir)
     if inspect_existing:
         inspect_run_dir(run_dir, result_config(cfg), root.trainer.resume)
-    seed_everything(root.seed, root.trainer.deterministic)
+    seed_everything(root.seed, root.trainer.deterministic, root.threads)
     train_set, eval_set = task.build_train_data(), task.build_eval_data()
     batch_size = task.data_cfg.batch_size
     first_epoch = epoch_batches(lambda g: task.epoch_batches(train_set, batch_size, g), root.seed, 0)
@@ -474,6 +477,7 @@ class Trainer:
             "device": self.device.type,
             "device_name": device_name(self.device),
             "torch_version": torch.__version__,
+            "threads": torch.get_num_threads(),  # CPU intra-op threads: they change reduction order
             "precision_details": self.policy.describe(),
             "steps": self.step,
             "samples": self.samples,

@@ -92,6 +92,7 @@ BAD_INPUT = [
     (["trainer.max_step=5"], "bad config: unknown key trainer.max_step; did you mean trainer.max_steps?"),
     (["data.batch_sise=5"], "bad config: unknown key data.batch_sise; did you mean data.batch_size?"),
     (["sed=1"], "bad config: unknown key sed; did you mean seed?"),
+    (["threads=0"], "bad config: threads=0 must be positive or null"),
     (["model.colour=red"], "bad config: unknown key model.colour; model has: name, width, depth"),
     (["trainer.optimizers.main.lr=1"], "trainer.optimizers has no key main yet; new keys need a leading +"),
     (["trainer.optimizer=lion"], "trainer.optimizer='lion'; choose one of"),

@@ -61,6 +61,22 @@ def test_tensorboard_has_the_same_tags_for_every_precision(tiny_cfg):
             "eval/top1", "eval/top5"} <= tags[0]
 
 
+def test_thread_count_is_applied_recorded_and_bit_reproducible(tiny_cfg, tmp_path):
+    previous = torch.get_num_threads()
+    try:
+        first = train(tiny_cfg("threads=1", f"out_dir={tmp_path}/a"))
+        assert torch.get_num_threads() == 1 and first["threads"] == 1
+        assert first["result_config"]["threads"] == 1  # it changes the numbers, so it names the result
+        second = train(tiny_cfg("threads=1", f"out_dir={tmp_path}/b"))
+    finally:
+        torch.set_num_threads(previous)
+    # the same command twice: bit-identical losses and metric (issue 14: same seed, same result)
+    assert records(tmp_path / "a", "train") == [
+        {**r, "samples_per_s": a["samples_per_s"]} for r, a in zip(records(tmp_path / "b", "train"),
+                                                                   records(tmp_path / "a", "train"))]
+    assert first["metric"] == second["metric"]
+
+
 def test_skipped_step_changes_no_weight_optimizer_state_or_schedule(tiny_cfg, tmp_path):
     """Steps 1, 2 then an injected overflow at step 3 == steps 1, 2 alone, bit for bit."""
     common = ("precision=mp", "scale=64", "trainer.schedule=cosine", "trainer.max_steps=3")
