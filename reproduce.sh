@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# mpt: set up .venv (first run only) and then
-#   ./reproduce.sh          the quick reproduction on built-in data, ending with FP32-vs-MP tables
-#   ./reproduce.sh test     the whole CPU test suite
+# mpt: set up .venv (first run only), then
+#   ./reproduce.sh [options]       the quick reproduction on built-in data: every model, FP32 vs reduced
+#                                  precision, seeded tables with the paper's numbers beside them
+#   ./reproduce.sh test [args]     the whole CPU test suite (args go to pytest)
 # Finished runs are kept and not retrained; delete outputs/reproduce/ to start over.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -9,6 +10,26 @@ cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
 VENV=.venv
 STAMP=$VENV/.mpt-installed
+ALL_MODELS=(resnet50 ssd biglstm dcgan deepspeech)
+
+usage() {
+  cat <<EOF
+usage: ./reproduce.sh [--models m1,m2,...] [--seeds N] [--jobs J] [--out DIR]
+       ./reproduce.sh test [pytest args...]
+
+The quick reproduction of "Mixed Precision Training" on built-in data (see README "Measured results"):
+each model in FP32 and in reduced precision (the paper's MP on a GPU; FP16 storage emulated,
+precision=pseudo_fp16, on a CPU), gradient statistics, figures, and report.md with the paper's
+numbers beside ours. Every preset pins threads=1, so a rerun gives the same numbers bit for bit.
+
+  --models LIST   comma-separated subset of: ${ALL_MODELS[*]} (default: all)
+  --seeds N       seeds of the seeded rows (default 3; the ResNet-50 and SSD FP32 and
+                  reduced-precision rows)
+  --jobs J        runs trained at the same time, one CPU thread each (default: the core count, at most 8)
+  --out DIR       output root (default outputs/reproduce)
+  -h, --help      this text
+EOF
+}
 
 setup() {
   # Reinstall when pyproject.toml changed since the last install (dependency pins live there).
@@ -28,37 +49,157 @@ run_tests() {
   "$VENV/bin/python" -m pytest "$@"  # no paths given: pyproject testpaths (tests/)
 }
 
-quick_reproduction() {
-  local out=outputs/reproduce
-  run() { "$VENV/bin/mpt-run" "$@" "out_root=$out"; }  # overrides after -m: argparse wants flags first
-  run_dir_of() { dirname "$(find "$out/$1" -name summary.json | sort | head -n 1)"; }  # <model>/<precision>
-  echo "== ResNet-50 (narrow, synthetic images): FP32 baseline, the paper's MP, torch.amp"
-  run -m experiment=quick_resnet50 precision=fp32,mp,amp
-  # FP16 arithmetic is emulated on CPUs (~14x slower than FP32 here), so without a GPU the other
-  # comparisons use pseudo_fp16: the same FP16 storage (underflow and overflow included) with FP32
-  # math, which the paper (4.3) argues is numerically equivalent. On a GPU it is the real mp.
-  local low=mp
-  "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' || low=pseudo_fp16
-  echo "== SSD (reduced, synthetic detection): FP32, $low with loss scale 8, $low without scaling"
-  run -m experiment=quick_ssd precision=fp32
-  run -m experiment=quick_ssd precision=$low scale=8,none
-  echo "== DeepSpeech 2 (tiny, synthetic speech): FP32 vs FP16 storage only (paper 4.3), gradient statistics"
-  # A tiny GRU model: one thread per process is faster than two (less synchronisation per small op).
-  OMP_NUM_THREADS=1 run experiment=quick_deepspeech precision=fp32
-  OMP_NUM_THREADS=1 run experiment=quick_deepspeech precision=pseudo_fp16 stats.enabled=true
-  if [[ $low == mp ]]; then run experiment=quick_deepspeech precision=mp; fi
-  "$VENV/bin/mpt-figures" "$(run_dir_of deepspeech/pseudo_fp16)"
-  echo "== Gradient statistics (paper Fig. 2b/3 and 3.1): ResNet-50, FP16 storage emulated, loss scale 8"
-  run experiment=quick_resnet50 precision=pseudo_fp16 scale=8 stats.enabled=true stats.every=50
-  "$VENV/bin/mpt-figures" "$(run_dir_of resnet50/pseudo_fp16-8)"
-  echo "== FP32 vs reduced precision ($out/report.md)"
-  "$VENV/bin/mpt-report" "$out" --out "$out/report.md"
-  echo "Outputs: $out (tensorboard --logdir $out)"
+# --- the quick reproduction ----------------------------------------------------------------------
+MODELS=("${ALL_MODELS[@]}")
+SEEDS=3
+JOBS=$(( $(nproc) < 8 ? $(nproc) : 8 ))
+OUT=outputs/reproduce
+
+parse_options() {
+  while (($#)); do
+    case $1 in
+      --models) IFS=, read -r -a MODELS <<< "${2:?--models needs a list}"; shift 2 ;;
+      --seeds) SEEDS=${2:?--seeds needs a number}; shift 2 ;;
+      --jobs) JOBS=${2:?--jobs needs a number}; shift 2 ;;
+      --out) OUT=${2:?--out needs a directory}; shift 2 ;;
+      -h|--help) usage; exit 0 ;;
+      *) echo "reproduce.sh: error: unknown option $1; see ./reproduce.sh --help" >&2; exit 2 ;;
+    esac
+  done
+  local m
+  for m in "${MODELS[@]}"; do
+    [[ " ${ALL_MODELS[*]} " == *" $m "* ]] || {
+      echo "reproduce.sh: error: unknown model '$m'; choose from: ${ALL_MODELS[*]}" >&2; exit 2; }
+  done
+  [[ $SEEDS =~ ^[1-9][0-9]*$ ]] || { echo "reproduce.sh: error: --seeds must be a positive integer" >&2; exit 2; }
+  [[ $JOBS =~ ^[1-9][0-9]*$ ]] || { echo "reproduce.sh: error: --jobs must be a positive integer" >&2; exit 2; }
 }
 
-setup
-case "${1:-reproduce}" in
-  test) shift; run_tests "$@" ;;
-  reproduce) quick_reproduction ;;
-  *) echo "usage: ./reproduce.sh [test [pytest args...]]" >&2; exit 2 ;;
+wanted() { [[ " ${MODELS[*]} " == *" $1 "* ]]; }
+seeds() { seq -s, 0 $((SEEDS - 1)); }
+
+# One line per run: "<label> <mpt-run overrides...>"; the label names its log file.
+# FP16 arithmetic is emulated on CPUs (~14x slower than FP32 here), so without a GPU the reduced
+# rows use pseudo_fp16: the same FP16 storage (underflow and overflow included) with FP32 math,
+# which the paper (4.3) argues is numerically equivalent. On a GPU they are the real mp.
+job_list() {
+  local low=$1 s
+  if wanted resnet50; then
+    for s in $(seq 0 $((SEEDS - 1))); do
+      echo "resnet50-fp32-seed$s experiment=quick_resnet50 precision=fp32 seed=$s"
+      echo "resnet50-$low-seed$s experiment=quick_resnet50 precision=$low seed=$s"
+    done
+    echo "resnet50-amp experiment=quick_resnet50 precision=amp"
+    # gradient statistics (paper Fig. 2b/3 and 3.1): FP16 storage, loss scale 8
+    echo "resnet50-stats experiment=quick_resnet50 precision=pseudo_fp16 scale=8 stats.enabled=true stats.every=50"
+  fi
+  if wanted ssd; then
+    for s in $(seq 0 $((SEEDS - 1))); do
+      echo "ssd-fp32-seed$s experiment=quick_ssd precision=fp32 seed=$s"
+      echo "ssd-$low-8-seed$s experiment=quick_ssd precision=$low scale=8 seed=$s"
+      echo "ssd-$low-none-seed$s experiment=quick_ssd precision=$low scale=none seed=$s"
+    done
+  fi
+  if wanted biglstm; then
+    echo "biglstm-fp32 experiment=quick_biglstm precision=fp32"
+    echo "biglstm-$low-128 experiment=quick_biglstm precision=$low scale=128 stats.enabled=true"
+    echo "biglstm-$low-none experiment=quick_biglstm precision=$low scale=none stats.enabled=true"
+  fi
+  if wanted dcgan; then
+    echo "dcgan-fp32 experiment=quick_dcgan precision=fp32"
+    echo "dcgan-$low experiment=quick_dcgan precision=$low"
+  fi
+  if wanted deepspeech; then
+    echo "deepspeech-fp32 experiment=quick_deepspeech precision=fp32"
+    echo "deepspeech-$low experiment=quick_deepspeech precision=$low stats.enabled=true"
+  fi
+}
+
+# Runs one job line; its output goes to <out>/logs/<label>.log. Called by xargs in parallel.
+run_job() {
+  local label=$1; shift
+  local log=$OUT/logs/$label.log
+  date +%s > "$OUT/logs/$label.started"
+  local status=0
+  "$VENV/bin/mpt-run" "$@" "out_root=$OUT" > "$log" 2>&1 || status=$?
+  rm -f "$OUT/logs/$label.started"
+  if ((status)); then
+    echo "   FAILED $label (exit $status): see $log" >&2
+    return 1
+  fi
+  echo "   done  $label: $(tail -n 1 "$log" | sed 's/^.*\] - //')"
+}
+
+# Every 30 s: the runs in progress, their last logged step and an estimate of their time left.
+progress() {
+  local total=$1 started=$2 f label now step total_steps elapsed eta
+  while sleep 30; do
+    now=$(date +%s)
+    local done_count
+    done_count=$(find "$OUT/logs" -name '*.log' | wc -l)
+    done_count=$((done_count - $(find "$OUT/logs" -name '*.started' | wc -l)))
+    echo "-- $(( (now - started) / 60 ))m$(( (now - started) % 60 ))s: $done_count/$total runs finished"
+    for f in "$OUT"/logs/*.started; do
+      [[ -e $f ]] || continue
+      label=$(basename "$f" .started)
+      step='' total_steps=''
+      read -r step total_steps < <(grep -o 'step [0-9]*/[0-9]*' "$OUT/logs/$label.log" 2>/dev/null | tail -n 1 |
+                                    tr '/' ' ' | cut -d' ' -f2-) || true
+      elapsed=$((now - $(cat "$f")))
+      if [[ -n ${step:-} && ${step:-0} -gt 0 ]]; then
+        eta=$(( elapsed * (total_steps - step) / step ))
+        echo "   $label: step $step/$total_steps, ${elapsed}s so far, about ${eta}s to go (plus evaluation)"
+      else
+        echo "   $label: starting (${elapsed}s)"
+      fi
+    done
+  done
+}
+
+run_dir_of() {  # the run directory of <model>/<precision dir>, seed 0
+  dirname "$(find "$OUT/$1" -path '*seed0/summary.json' | sort | head -n 1)"
+}
+
+quick_reproduction() {
+  local low=mp
+  "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' || low=pseudo_fp16
+  mkdir -p "$OUT/logs"
+  rm -f "$OUT"/logs/*.started
+  local jobs total started monitor status=0
+  jobs=$(job_list "$low")
+  total=$(wc -l <<< "$jobs")
+  started=$(date +%s)
+  echo "== $total runs, $JOBS at a time (logs: $OUT/logs/); finished runs are reported, not retrained"
+  progress "$total" "$started" &
+  monitor=$!
+  export -f run_job
+  export OUT VENV
+  # xargs runs the job lines JOBS at a time and exits non-zero when any of them failed
+  xargs -P "$JOBS" -L 1 bash -c 'run_job "$@"' _ <<< "$jobs" || status=$?
+  kill "$monitor" 2>/dev/null || true
+  wait "$monitor" 2>/dev/null || true
+  echo "== all runs ended in $(( ($(date +%s) - started) / 60 ))m$(( ($(date +%s) - started) % 60 ))s"
+
+  local figures=$OUT/figures
+  mkdir -p "$figures"
+  if wanted resnet50; then "$VENV/bin/mpt-figures" "$(run_dir_of resnet50/pseudo_fp16-8)" --out "$figures/resnet50"; fi
+  if wanted biglstm; then
+    "$VENV/bin/mpt-figures" "$(run_dir_of "biglstm/$low-128")" --out "$figures/biglstm-scale128"
+    "$VENV/bin/mpt-figures" "$(run_dir_of "biglstm/$low")" --out "$figures/biglstm-noscale"
+  fi
+  if wanted dcgan; then
+    "$VENV/bin/mpt-figures" --compare "$(run_dir_of dcgan/fp32)" "$(run_dir_of "dcgan/$low")" \
+      --out "$figures/dcgan_compare.png"
+  fi
+  if wanted deepspeech; then "$VENV/bin/mpt-figures" "$(run_dir_of "deepspeech/$low")" --out "$figures/deepspeech"; fi
+  echo "== FP32 vs reduced precision, with the paper's numbers ($OUT/report.md)"
+  "$VENV/bin/mpt-report" "$OUT" --paper --out "$OUT/report.md"
+  echo "Outputs: $OUT (figures: $figures; tensorboard --logdir $OUT)"
+  return "$status"
+}
+
+case "${1:-}" in
+  test) setup; shift; run_tests "$@" ;;
+  -h|--help) usage ;;
+  *) parse_options "$@"; setup; quick_reproduction ;;
 esac
