@@ -16,6 +16,11 @@ writes PNGs to --out (default <run dir>/figures) and prints their paths:
 `mpt-figures --compare <run A> <run B> [--out FILE]`: the last `samples_step<N>.png`
 grids of two runs side by side (e.g. fp32 and mp of the same seed: paper Figure 6),
 titled with each run's precision; default FILE: compare_samples.png.
+
+`mpt-figures --batch-sweep <dir> [--out FILE]`: throughput, activation memory and (GPU) peak
+memory against batch size, one line per precision, batches that ran out of memory marked, from
+the summaries under <dir> (`mpt-run -m experiment=sweep_batch`; the numbers of
+`mpt-report --by batch_size`); default FILE: batch_sweep.png.
 """
 from __future__ import annotations
 
@@ -225,19 +230,80 @@ def compare_samples(run_dirs: list[Path], out: Path) -> Path:
     return _save(fig, out)
 
 
+def _batch_panel(ax: Axes, rows: list[dict[str, Any]], key: str, scale: float, ylabel: str) -> None:
+    """One quantity against batch size, a line per precision; out-of-memory batches as red crosses
+    on the x axis (they have no value)."""
+    for label, line in _by_precision(rows).items():
+        done = [r for r in line if r[key] is not None]
+        drawn = ax.plot([r["batch_size"] for r in done], [r[key] / scale for r in done], marker="o", label=label)
+        oom = [r["batch_size"] for r in line if not r["fit"]]
+        if oom:
+            ax.scatter(oom, [0] * len(oom), marker="x", s=60, color=drawn[0].get_color(), zorder=3, clip_on=False,
+                       label=f"{label}: out of memory")
+    ax.set_xscale("log", base=2)
+    batches = sorted({r["batch_size"] for r in rows})
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.minorticks_off()
+    ax.set_xlabel("batch size")
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7)
+
+
+def _by_precision(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    lines: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        label = r["precision"] + ("" if str(r["scale"]) == "none" else f" (scale {r['scale']})")
+        lines.setdefault(label, []).append(r)
+    return lines
+
+
+def batch_sweep_figure(sweep_dir: Path, out: Path) -> Path:
+    """Throughput and memory against batch size per precision, one row of panels per model/curve."""
+    from runner.report import batch_rows, fit_text, largest_fit, load  # the report's grouping, not a copy
+
+    rows = [r for r in batch_rows(load([sweep_dir])) if r["batch_size"] is not None]
+    curves: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        curves.setdefault(json.dumps([r["model"], r["curve"]], sort_keys=True), []).append(r)
+    if len(rows) < 2 or all(len({r["batch_size"] for r in c}) < 2 for c in curves.values()):
+        raise UserError(f"{sweep_dir} holds no batch-size sweep (fewer than two batch sizes of one model); "
+                        f"run mpt-run -m experiment=sweep_batch model=<name> first")
+    panels = [("samples_per_s", 1.0, "throughput ({unit}/s)"), ("activation_bytes", 2**20, "activation memory (MiB)")]
+    if any(r["peak_bytes"] is not None for r in rows):
+        panels.append(("peak_bytes", 2**30, "peak allocated (GiB)"))
+    fig = Figure(figsize=(5 * len(panels), 4 * len(curves)), layout="constrained")
+    axes = fig.subplots(len(curves), len(panels), squeeze=False)
+    fits = largest_fit(rows)
+    for ax_row, curve in zip(axes, curves.values()):
+        first = curve[0]
+        for ax, (key, scale, ylabel) in zip(ax_row, panels):
+            _batch_panel(ax, curve, key, scale, ylabel.format(unit=first["count_unit"]))
+        mine = [f for f in fits if f["model"] == first["model"] and f["curve"] == first["curve"]]
+        base = next((f for f in mine if f["precision"] == "fp32"), None)
+        ax_row[0].set_title(f"{first['model']} on {first['device']}; largest batch that fit: "
+                            + "; ".join(fit_text(f, base) for f in mine), fontsize=9, loc="left")
+    return _save(fig, out)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="mpt-figures", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, nargs="?", help="a run's out_dir, trained with stats.enabled=true")
     parser.add_argument("--compare", type=Path, nargs=2, metavar="RUN_DIR",
                         help="put the last sample grids of two runs side by side (e.g. fp32 and mp)")
+    parser.add_argument("--batch-sweep", type=Path, metavar="DIR",
+                        help="throughput and memory against batch size per precision from the runs under DIR "
+                             "(mpt-run -m experiment=sweep_batch)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="where to write the PNGs (default: <run_dir>/figures; with --compare: a PNG file, "
-                             "default compare_samples.png)")
+                        help="where to write the PNGs (default: <run_dir>/figures; with --compare / --batch-sweep: "
+                             "a PNG file, default compare_samples.png / batch_sweep.png)")
     args = parser.parse_args(argv)
-    if (args.run_dir is None) == (args.compare is None):
-        parser.error("give either a run directory or --compare <run A> <run B>")
+    if sum(x is not None for x in (args.run_dir, args.compare, args.batch_sweep)) != 1:
+        parser.error("give one of: a run directory, --compare <run A> <run B>, --batch-sweep <dir>")
     try:
-        if args.compare:
+        if args.batch_sweep:
+            paths = [batch_sweep_figure(args.batch_sweep, args.out or Path("batch_sweep.png"))]
+        elif args.compare:
             paths = [compare_samples(args.compare, args.out or Path("compare_samples.png"))]
         else:
             paths = render(args.run_dir, args.out or args.run_dir / "figures")

@@ -200,7 +200,12 @@ def tables_of(groups: list[Group]) -> list[Table]:
     for g in groups:
         setting = {k: json.loads(v) for k, v in g.setting}
         tables.setdefault((g.model, g.setting), Table(g.model, setting, [])).groups.append(g)
-    return list(tables.values())
+    return sorted(tables.values(), key=lambda t: (t.model, _number(t.setting.get("data.batch_size")),
+                                                  _number(t.setting.get("trainer.max_steps")), _hashable(t.setting)))
+
+
+def _number(x: Any) -> float:
+    return float(x) if _finite(x) else math.inf
 
 
 def distinguishing_keys(tables: list[Table]) -> dict[str, list[str]]:
@@ -420,7 +425,9 @@ def _speed(x: float | None, unit: str) -> str:
 
 
 def _mib(n: float | None) -> str:
-    return "–" if n is None else f"{n / 2**20:.0f} MiB"
+    if n is None:
+        return "–"
+    return f"{n / 2**20:.0f} MiB" if n >= 10 * 2**20 else f"{n / 2**20:.2f} MiB"
 
 
 def _count(x: float | None) -> str:
@@ -571,8 +578,8 @@ def fit_text(entry: dict[str, Any], base: dict[str, Any] | None) -> str:
     if entry["largest_fit"] is None:
         return f"{entry['precision']}{scale}: none fit (smallest tried ran out of memory)"
     limit = ("" if entry["bound"] == "exact" else "≥ ") + str(entry["largest_fit"])
-    ratio = ""
-    if base is not None and base is not entry and base["largest_fit"]:
+    ratio = ""  # a ratio of two limits means something only when both were found
+    if base is not None and base is not entry and base["largest_fit"] and entry["bound"] == base["bound"] == "exact":
         ratio = f", {entry['largest_fit'] / base['largest_fit']:.2f}x fp32's"
     return f"{entry['precision']}{scale}: {limit}{ratio}"
 

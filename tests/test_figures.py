@@ -60,3 +60,37 @@ def test_bad_input_is_one_line_naming_the_fix(tmp_path: Path, capsys: pytest.Cap
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("mpt-figures: error:") and "stats.enabled=true" in err
+
+
+def test_batch_sweep_plot_is_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Summaries written here (GPU-like, one batch out of memory) -> one PNG with a panel per quantity."""
+    for precision, fits in (("fp32", 32), ("mp", 64)):
+        for batch in (16, 32, 64):
+            s = {"model": "m", "precision": precision, "scale": "none", "device": "cuda", "device_name": "GPU X",
+                 "batch_size": batch, "count_unit": "samples", "metric": None, "diverged": False,
+                 "result_config": {"model.name": "m", "data.batch_size": batch, "precision.name": precision,
+                                   "scale": "none", "seed": 0}}
+            if batch > fits:
+                s.update(oom=True, samples_per_s=None, memory={})
+            else:
+                s.update(samples_per_s=10.0 * batch, memory={"activation_bytes": batch * 2**20,
+                                                             "peak_allocated_bytes": batch * 2**21})
+            run = tmp_path / "sweep" / precision / str(batch)
+            run.mkdir(parents=True)
+            (run / "summary.json").write_text(json.dumps(s))
+    out = tmp_path / "sweep.png"
+    main(["--batch-sweep", str(tmp_path / "sweep"), "--out", str(out)])
+    assert capsys.readouterr().out.strip() == str(out)
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    image = imread(out)
+    assert image.shape[1] > 2.5 * image.shape[0]  # three panels side by side (throughput, activations, peak)
+
+
+def test_batch_sweep_without_a_sweep_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "summary.json").write_text(json.dumps(
+        {"model": "m", "precision": "fp32", "scale": "none", "batch_size": 8, "metric": 1.0}))
+    with pytest.raises(SystemExit) as exc:
+        main(["--batch-sweep", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "experiment=sweep_batch" in err

@@ -302,3 +302,27 @@ def test_by_batch_size_without_oom_is_a_lower_bound_and_cpu_hides_peak() -> None
     records = list(csv.DictReader(io.StringIO(render(sweep(), "csv", by="batch_size"))))
     assert {r["largest_fit"] for r in records if r["precision"] == "mp"} == {"64"}
     assert [r["fit"] for r in records if r["precision"] == "fp32"] == ["True", "True", "True", "False"]
+
+
+def test_sweep_batch_preset_gives_each_batch_its_own_run_dir() -> None:
+    """The preset's hydra.sweeper.params, expanded as Hydra's BasicSweeper expands them (params first,
+    the command line's overrides after and winning), compose to jobs with distinct run directories."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    from runner.cli import DEFAULT_COMMAND, compose_with_hydra, hydra_for, resolve_job
+
+    with hydra_for(DEFAULT_COMMAND):
+        primary = compose_with_hydra(["experiment=sweep_batch", "model=ssd"])
+        params = OmegaConf.to_container(primary.hydra.sweeper.params)
+        assert set(params) == {"data.batch_size", "precision"}
+        for command_line, expected in ((["experiment=sweep_batch", "model=ssd"], 10),
+                                       (["experiment=sweep_batch", "model=ssd", "data.batch_size=4,8"], 4)):
+            lines = [f"{k}={v}" for k, v in params.items()] + command_line
+            jobs = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(lines), None)[0]
+            dirs = {resolve_job(compose_with_hydra(job), True)[0].out_dir for job in jobs}
+            assert len(jobs) == len(dirs) == expected
+        cfg = resolve_job(compose_with_hydra(jobs[-1]), True)[0]
+    assert cfg.data.batch_size == 8 and cfg.precision.name == "mp" and cfg.trainer.max_steps == 30
+    assert "data.batch_size=8" in cfg.out_dir
