@@ -302,7 +302,7 @@ def comparability(entry: dict[str, Any], config: dict[str, Any]) -> tuple[bool, 
     """(comparable in value, reasons it is not): built-in data, a model smaller than the paper
     preset's, shorter training, another batch size."""
     preset = paper_preset(entry["preset"])
-    reasons = []
+    reasons = [entry["never_comparable"]] if entry.get("never_comparable") else []
     data = str(config.get("data.name", ""))
     if data.startswith("synthetic_"):
         reasons.append(f"built-in synthetic data ({data}; paper: {entry['dataset']})")

@@ -246,6 +246,18 @@ def test_paper_size_on_real_data_is_comparable_in_value() -> None:
     assert "comparable in value" in render([resnet("fp32", 75.8, **full)], paper=True)
 
 
+def test_deepspeech_is_never_comparable_in_value() -> None:
+    """Even at the paper's size on LibriSpeech: the paper's speech data was internal."""
+    full = {"model.name": "deepspeech", "model.conv_channels": 32, "model.rnn_hidden": 1824, "model.rnn_layers": 3,
+            "model.bidirectional": True, "model.lookahead": 20, "data.name": "librispeech", "data.batch_size": 32,
+            "trainer.epochs": 20}
+    run = {**summary("fp32", 2.5, higher_is_better=False, config=full), "model": "deepspeech"}
+    row = json_rows([run], paper=True)["fp32-none"]
+    assert row["comparable_in_value"] is False
+    assert row["not_comparable_because"] == ["the paper's data (internal 6000 h) is not public; "
+                                             "paper_deepspeech trains on LibriSpeech 960 h"]
+
+
 def test_paper_ssd_rows_match_by_loss_scale() -> None:
     def ssd(precision: str, metric: float, scale: str = "none") -> dict:
         s = summary(precision, metric, scale=scale, config={"model.name": "ssd", "model.variant": "tiny",
