@@ -26,10 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import device_batches, device_label, engine_step, resnet_trainer, time_per_step  # noqa: E402
-
-from runner.cli import compose_job  # noqa: E402
-from runner.engine import Trainer  # noqa: E402
+from common import bench_trainer, device_batches, device_label, engine_step, resnet_trainer, time_per_step  # noqa: E402
 
 
 def plain_step_fn(model, opt, device: torch.device, precision: str, scaler: torch.amp.GradScaler | None):
@@ -70,9 +67,9 @@ class PlainContext:
 
 def lstm_row(args: argparse.Namespace) -> tuple:
     """(engine Trainer, plain step, batches) for quick_biglstm's model in fp32."""
-    engine = Trainer(compose_job(["experiment=quick_biglstm", f"device={args.device}", "trainer.grad_clip=null",
-                                  "trainer.resume=never", "out_dir=/tmp/mpt-bench-engine-lstm"]))
-    batches = [engine.to_device(engine.task.collate([engine.train_set[i]])) for i in range(args.steps)]
+    engine = bench_trainer(["experiment=quick_biglstm", f"device={args.device}", "trainer.grad_clip=null"],
+                           "/tmp/mpt-bench-engine-lstm")
+    batches = device_batches(engine, args.steps)
     plain_model = engine.task.build_model().to(engine.device)
     plain_model.load_state_dict(engine.model.state_dict())
     ctx = PlainContext(torch.optim.Adagrad(plain_model.parameters(), lr=engine.t.lr,
@@ -106,7 +103,7 @@ def main() -> None:
         engine = resnet_trainer(args.precision, args.scale, args.width, args.depth, args.image_size, args.batch,
                                 args.steps, args.device, "/tmp/mpt-bench-engine")
         device = engine.device
-        batches = device_batches(engine, args.steps, args.batch)
+        batches = device_batches(engine, args.steps)
         plain_model = engine.task.build_model().to(device)
         plain_model.load_state_dict(engine.model.state_dict())
         plain_opt = torch.optim.SGD(plain_model.parameters(), lr=engine.t.lr, momentum=engine.t.momentum)

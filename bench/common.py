@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: a tiny-ResNet trainer and interleaved timing."""
+"""Shared pieces of the benchmarks: Trainers composed like `mpt-run`, the engine's own batches, timing."""
 from __future__ import annotations
 
 import time
@@ -8,6 +8,7 @@ import torch
 
 from runner.cli import compose_job
 from runner.engine import Trainer
+from runner.loader import train_batches
 
 
 def sync(device: torch.device) -> None:
@@ -18,19 +19,30 @@ def sync(device: torch.device) -> None:
 def resnet_trainer(precision: str, scale: str, width: float, depth: list[int], image_size: int, batch: int,
                    steps: int, device: str, out_dir: str) -> Trainer:
     """A Trainer over the synthetic image set with exactly `steps` distinct training batches."""
-    cfg = compose_job([
+    return bench_trainer([
         f"precision={precision}", f"scale={scale}", f"model.width={width}",
         f"model.depth=[{','.join(map(str, depth))}]", f"data.image_size={image_size}",
         f"data.batch_size={batch}", f"data.num_train={batch * steps}", "data.num_eval=8",
-        f"device={device}", "trainer.warmup_steps=0", "trainer.schedule=constant", "trainer.weight_decay=0",
-        "trainer.resume=never", f"out_dir={out_dir}"])
-    return Trainer(cfg)
+        f"device={device}", "trainer.warmup_steps=0", "trainer.schedule=constant", "trainer.weight_decay=0"],
+        out_dir)
 
 
-def device_batches(trainer: Trainer, steps: int, batch: int) -> list[dict[str, Any]]:
+def bench_trainer(overrides: list[str], out_dir: str) -> Trainer:
+    """A Trainer composed exactly as `mpt-run <overrides>` would be, writing (nothing much) under out_dir."""
+    return Trainer(compose_job([*overrides, "trainer.resume=never", f"out_dir={out_dir}"]))
+
+
+def host_batches(trainer: Trainer, steps: int) -> list[dict[str, Any]]:
+    """The first `steps` training batches of the engine's own stream (the task's epoch plan and
+    collate, seeded like a run), on the host: the same batches for every precision mode."""
+    stream = train_batches(trainer.train_set, trainer.epoch_plan, 0, trainer.task.collate, trainer.root.seed, 0,
+                           trainer.task.reset_state)
+    return [next(stream) for _ in range(steps)]
+
+
+def device_batches(trainer: Trainer, steps: int) -> list[dict[str, Any]]:
     """Pre-generated batches, already on the device and cast: timing excludes data work."""
-    ds = trainer.train_set
-    return [trainer.to_device(trainer.task.collate([ds[i * batch + j] for j in range(batch)])) for i in range(steps)]
+    return [trainer.to_device(b) for b in host_batches(trainer, steps)]
 
 
 def engine_step(trainer: Trainer) -> Callable[[dict[str, Any]], None]:

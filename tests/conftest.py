@@ -49,3 +49,8 @@ def run_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
             main()
         return exit_.value.code, capsys.readouterr().err.strip().splitlines()
     return call
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # tests/test_cuda.py: CUDA-only tests, skipped without a GPU; run them with `pytest -m cuda`.
+    config.addinivalue_line("markers", "cuda: needs a CUDA device (tests/test_cuda.py); run with pytest -m cuda")
