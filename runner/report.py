@@ -14,6 +14,7 @@ import csv
 import io
 import json
 import math
+import os
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -711,7 +712,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"mpt-report: error: cannot write {args.out} ({exc.strerror or exc}); pass --out <a writable file>",
               file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
-    print(text)
+    try:
+        print(text)
+    except BrokenPipeError:  # `mpt-report | head`: the reader has what it wanted
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps the interpreter's final flush quiet
 
 
 if __name__ == "__main__":
