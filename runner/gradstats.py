@@ -60,7 +60,7 @@ from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
 from runner.errors import UserError
-from runner.logs import JsonlLog
+from runner.logs import STATS, JsonlLog, tag as tb_tag
 from runner.precision import BoundParams
 from runner.scaling import dense_values, grad_abs_max
 from runner.trees import map_tensors
@@ -217,13 +217,15 @@ class GradStats:
         self._log: JsonlLog | None = None
         self._backward_ratio: torch.Tensor | None = None
         self._tb: SummaryWriter | None = None
+        self._tag_prefix = STATS
 
     # --- lifecycle -----------------------------------------------------------------
-    def open(self, tb: SummaryWriter, offset: int = 0) -> None:
+    def open(self, tb: SummaryWriter, offset: int = 0, model: str = "") -> None:
         """Start writing stats.jsonl at `offset` bytes (a resumed run's checkpoint value); nothing
-        is created when stats are off."""
+        is created when stats are off. TensorBoard tags: train_stats/<model>/... (runner/logs.py)."""
         if self.cfg.enabled:
             self._tb = tb
+            self._tag_prefix = tb_tag(STATS, model)
             self._log = JsonlLog(self.path, offset)
 
     def offset(self) -> int:
@@ -371,7 +373,7 @@ class GradStats:
                 "ratio_hist": _hist_json(single["ratio"], RATIO_BINS),
             }
         self._log.write(record)
-        _log_tensorboard(self._tb, record)
+        _log_tensorboard(self._tb, record, self._tag_prefix)
 
 
 def _to_host(device: torch.device, groups: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, list[float]]]:
@@ -454,25 +456,25 @@ def _log_histogram(tb: SummaryWriter, tag: str, hist: dict[str, Any], lo: int, s
                          bucket_limits=[e + 1 for e in exps], bucket_counts=counts, global_step=step)
 
 
-def _log_tensorboard(tb: SummaryWriter, record: dict[str, Any]) -> None:
-    """Histograms at scale 1 and the derived scalars, all under stats/."""
+def _log_tensorboard(tb: SummaryWriter, record: dict[str, Any], prefix: str = STATS) -> None:
+    """Histograms at scale 1 and the derived scalars, all under `prefix` (train_stats/<model>).
+    The loss scale is not repeated here: the train group logs it (train/<model>/loss_scale)."""
     step, lo = record["step"], record["grad_bins"][0]
     for kind in ("weight_grad", "act_grad"):
         summary = record.get(kind)
         if summary is None:
             continue
         to_scale_1 = -scale_shift(summary["recorded_at_scale"])
-        _log_histogram(tb, f"stats/{kind}/log2_abs", summary["hist"], lo, to_scale_1, step)
+        _log_histogram(tb, f"{prefix}/{kind}/log2_abs", summary["hist"], lo, to_scale_1, step)
         for layer, hist in summary.get("layers", {}).items():
-            _log_histogram(tb, f"stats/{kind}_layers/{layer}", hist, lo, to_scale_1, step)
+            _log_histogram(tb, f"{prefix}/{kind}_layers/{layer}", hist, lo, to_scale_1, step)
         if summary["max_abs"] is not None:
-            tb.add_scalar(f"stats/{kind}/max_abs", summary["max_abs"], step)
+            tb.add_scalar(f"{prefix}/{kind}/max_abs", summary["max_abs"], step)
         for where, fractions in summary["regions"].items():
             for region, value in fractions.items():
                 if region != "normal":
-                    tb.add_scalar(f"stats/{kind}/{where}/{region}", value, step)
+                    tb.add_scalar(f"{prefix}/{kind}/{where}/{region}", value, step)
     lost = record.get("lost_updates")
     if lost is not None:
-        tb.add_scalar("stats/lost_updates/lost_frac", lost["lost_frac"], step)
-        _log_histogram(tb, "stats/lost_updates/log2_w_over_dw", lost["ratio_hist"], lost["ratio_bins"][0], 0, step)
-    tb.add_scalar("stats/loss_scale", record["loss_scale"], step)
+        tb.add_scalar(f"{prefix}/lost_updates/lost_frac", lost["lost_frac"], step)
+        _log_histogram(tb, f"{prefix}/lost_updates/log2_w_over_dw", lost["ratio_hist"], lost["ratio_bins"][0], 0, step)

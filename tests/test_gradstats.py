@@ -13,6 +13,7 @@ from torch.utils.tensorboard import SummaryWriter
 from runner.engine import check_run, train
 from runner.errors import UserError
 from runner.gradstats import GRAD_BINS, RATIO_BINS, GradStats, StatsConfig, fp16_regions, log2_histogram
+from runner.logs import STATS
 from runner.precision import BoundParams
 
 
@@ -260,10 +261,14 @@ def test_end_to_end_stats_on_and_off(tiny_cfg, tmp_path: Path) -> None:
         assert 0 < r["lost_updates"]["updated"] <= r["lost_updates"]["elements"]
         assert sum(r["weight_grad"]["regions"]["loss_scale"].values()) == pytest.approx(1.0)
     events = EventAccumulator(str(on), size_guidance={"histograms": 0, "scalars": 0}).Reload()
-    assert {"stats/weight_grad/log2_abs", "stats/act_grad/log2_abs",
-            "stats/lost_updates/log2_w_over_dw"} <= set(events.Tags()["histograms"])
-    assert "stats/act_grad/scale_1/underflow" in events.Tags()["scalars"]
-    assert [e.step for e in events.Scalars("stats/lost_updates/lost_frac")] == [1, 3]
+    group = f"{STATS}/{summary_on['model']}"  # after the headline groups eval/ and train/ (runner/logs.py)
+    assert {f"{group}/weight_grad/log2_abs", f"{group}/act_grad/log2_abs",
+            f"{group}/lost_updates/log2_w_over_dw"} <= set(events.Tags()["histograms"])
+    assert f"{group}/act_grad/scale_1/underflow" in events.Tags()["scalars"]
+    assert [e.step for e in events.Scalars(f"{group}/lost_updates/lost_frac")] == [1, 3]
+    # the loss scale is charted once, with the train values (stats.jsonl keeps its own copy)
+    assert not [t for t in events.Tags()["scalars"] if t.startswith(STATS) and t.endswith("/loss_scale")]
+    assert f"train/{summary_on['model']}/loss_scale" in events.Tags()["scalars"]
 
 
 def test_auto_scale_without_stats_uses_collector_max(tiny_cfg) -> None:
