@@ -235,11 +235,19 @@ def _job(cfg: DictConfig) -> None:
     except UserError as exc:
         fail(exc)
         return
+    if not is_main_process():
+        return
     metric = summary["metric"]
     shown = "n/a" if metric is None else f"{metric:.2f}"
-    status = f"DIVERGED ({summary['diverged_reason']})" if summary["diverged"] else "ok"
+    status = (f"DIVERGED ({summary['diverged_reason']})" if summary["diverged"] else
+              f"OUT OF MEMORY (data.batch_size={summary['batch_size']})" if summary.get("oom") else "ok")
     print(f"{summary['model']} {summary['precision']} scale={summary['scale']}: {summary['metric_name']}={shown} "
           f"skipped={summary['skipped_steps']} {status} -> {summary['run_dir']}")
+
+
+def is_main_process() -> bool:
+    """False in ranks 1.. of a torchrun job: they neither print the result nor write a log file."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 _hydra_main = hydra.main(config_path=CONFIG_PATH, config_name=CONFIG_NAME, version_base="1.3")(_job)
@@ -253,6 +261,8 @@ def main() -> None:
                 preflight(command)
             except UserError as exc:
                 fail(exc)
+            if not is_main_process():  # rank 0 writes <out_dir>/mpt.log; the others log warnings to stderr
+                sys.argv.append("hydra/job_logging=none")
         _hydra_main()
     except KeyboardInterrupt:
         # Ctrl-C before the run installed its own handler (composing, importing): nothing to save.

@@ -82,6 +82,7 @@ class PrecisionConfig:
 @dataclass
 class DebugConfig:
     nonfinite_steps: list[int] = field(default_factory=list)  # make these steps' gradients inf (scaler demos)
+    nonfinite_ranks: list[int] = field(default_factory=list)  # torchrun: inject only on these ranks ([]: all)
 
 
 @dataclass
@@ -159,6 +160,7 @@ _RANGES: dict[str, Check] = {
     "stats.every": (_positive, "positive"),
     # steps are numbered from 1, as in the logs: step N is the N-th optimizer step
     "debug.nonfinite_steps": (lambda v: all(s >= 1 for s in v), "step numbers of 1 or more"),
+    "debug.nonfinite_ranks": (lambda v: all(r >= 0 for r in v), "rank numbers of 0 or more"),
 }
 
 _TYPE_WORDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}

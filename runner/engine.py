@@ -13,10 +13,17 @@ directly) and returns the run summary. One iteration, whatever the precision:
 Gradient statistics (runner/gradstats.py) bracket an iteration with stats.begin(step) /
 stats.end(step, S); between sampled steps every one of those calls returns at once.
 stats.end also hands scale=auto its max|grad|.
+
+Under torchrun the same loop runs in every process (runner/distributed.py): each trains on its
+share of every global batch, the step context all-reduces gradients and overflow flags, and
+rank 0 alone holds the lock and writes files (logs, stats, checkpoints, summary) and evaluates
+while the others wait. A CUDA out-of-memory error ends a single-process run as `oom: true`.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import gc
 import json
 import logging
 import math
@@ -33,12 +40,12 @@ from torch.utils.data import Dataset
 from torchvision.utils import save_image
 
 from models import TASKS
-from runner import checkpoint
+from runner import checkpoint, distributed
 from runner.config import RootConfig, validate
 from runner.errors import UserError
 from runner.gradstats import GradStats
 from runner.interrupt import GracefulInterrupt
-from runner.loader import check_plan, epoch_batches, eval_batches, train_batches
+from runner.loader import check_plan, epoch_batches, eval_batches, shard_batches
 from runner.logs import RunLogger, write_json_atomic
 from runner.measure import SavedActivations, StepTimer, memory_report
 from runner.optim import build_optimizer, build_scheduler
@@ -126,7 +133,7 @@ def inspect_run_dir(run_dir: Path, current: dict[str, Any], resume: str) -> Prev
     that is extended keeps its summary as summary.step<N>.json. Anything else is refused.
     """
     summary_path, ckpt_path = run_dir / "summary.json", run_dir / checkpoint.CHECKPOINT_NAME
-    if summary_path.exists():
+    if summary_path.exists() and not read_summary(summary_path).get("oom"):  # an OOM run is tried again
         summary = read_summary(summary_path)
         differing = config_differences(summary.get("result_config", {}), current)
         if not differing:
@@ -207,7 +214,7 @@ def check_run(cfg: DictConfig, inspect_existing: bool = True) -> RunPlan:
     train_set, eval_set = task.build_train_data(), task.build_eval_data()
     batch_size = task.data_cfg.batch_size
     first_epoch = epoch_batches(lambda g: task.epoch_batches(train_set, batch_size, g), root.seed, 0)
-    check_plan(first_epoch, train_set, batch_size)
+    check_plan(first_epoch, train_set, batch_size, distributed.env_world_size())
     return RunPlan(root, device, policy, task, run_dir, train_set, eval_set, len(first_epoch))
 
 
@@ -217,8 +224,11 @@ class Trainer:
     def __init__(self, cfg: DictConfig) -> None:
         plan = check_run(cfg, inspect_existing=False)  # run() inspects the run directory under its lock
         self.cfg, self.root, self.t = cfg, plan.root, plan.root.trainer
-        self.device, self.policy, self.task, self.run_dir = plan.device, plan.policy, plan.task, plan.run_dir
+        self.task, self.run_dir = plan.task, plan.run_dir
         root = self.root
+        self.world = distributed.init(plan.device)  # World() outside torchrun
+        self.device = distributed.local_device(plan.device, self.world)
+        self.policy = plan.policy if self.device == plan.device else make_policy(root.precision.name, self.device)
 
         self.policy.configure_backends()
         self.train_set, self.eval_set = plan.train_set, plan.eval_set
@@ -230,14 +240,23 @@ class Trainer:
         self.total_steps = self.t.epochs * per_epoch if self.t.epochs else self.t.max_steps
 
         self.model = self.policy.prepare_model(self.task.build_model().to(self.device))
+        self.world.broadcast_model(self.model)  # before master copies are made from it
         self.slots = self.build_slots(per_epoch)
         # Gradient statistics; scale=auto reads its max|grad| from them every auto_every steps.
+        # Rank 0 writes them (gradients are all-reduced, so its weight gradients are everyone's).
         auto_every = root.scaler.auto_every if any(isinstance(s.scaler, AutoScaler) for s in self.slots.values()) else 0
-        self.stats = GradStats(root.stats, self.model, self.run_dir, self.policy.low_dtype, scaler_every=auto_every)
-        self.ctx = TrainStep(self.policy, self.slots, self.stats, root.debug.nonfinite_steps)
+        stats_cfg = root.stats if self.world.is_main else dataclasses.replace(root.stats, enabled=False)
+        self.stats = GradStats(stats_cfg, self.model, self.run_dir, self.policy.low_dtype, scaler_every=auto_every)
+        injected = root.debug.nonfinite_ranks
+        self.ctx = TrainStep(self.policy, self.slots, self.stats,
+                             root.debug.nonfinite_steps if not injected or self.world.rank in injected else [],
+                             self.world)
+        if self.world.rank:  # same initial weights, then each rank its own dropout / augmentation stream
+            torch.manual_seed(root.seed + 1_000_003 * self.world.rank)
+            random.seed(root.seed + 1_000_003 * self.world.rank)
 
         self.step = 0      # optimizer iterations done; the iteration in progress is number step + 1
-        self.samples = 0   # sum of task.count(batch): samples, tokens, ... (task.count_unit)
+        self.samples = 0   # sum of task.count(batch) over all ranks: samples, tokens, ... (task.count_unit)
         self.activation_bytes: int | None = None
         self.measured_on: dict[str, int] | None = None  # the batch activations were measured on
         self.timer = StepTimer(self.device, self.t.timing_warmup_steps)
@@ -245,8 +264,12 @@ class Trainer:
         self._log_sums: dict[str, torch.Tensor] = {}
         self._log_count = 0
         self.diverged_reason: str | None = None
+        self.oom = False   # a CUDA out-of-memory error ended the run (batch-size sweeps)
+        self.logger: RunLogger | None = None  # rank 0's metrics.jsonl and TensorBoard
         self.result_config = result_config(cfg)
         self.forced: list[str] = []  # keys a trainer.resume=force resume allowed to change
+        self._previous_state: dict[str, Any] | None = None  # rank 0: the checkpoint inspect_run_dir read
+        self._rng_ranks: list[dict[str, Any]] | None = None
         self.log_offsets = {"metrics": 0, "stats": 0}
         self._last_checkpoint = 0.0
         self._wall_start = time.perf_counter()
@@ -280,6 +303,7 @@ class Trainer:
             "slots": {n: slot.state_dict() for n, slot in self.slots.items()},
             "task": self.task.state_dict(),
             "rng": checkpoint.rng_state(),
+            "rng_ranks": self._rng_ranks,  # every rank's, rank 0's first (None for one process)
             "diverged_reason": self.diverged_reason,
             # where the logs end at this step: a resume cuts them back to it
             "log_offsets": {"metrics": self.logger.jsonl.offset(), "stats": self.stats.offset()},
@@ -298,7 +322,9 @@ class Trainer:
             for name, slot in self.slots.items():
                 slot.load_state_dict(state["slots"][name])
             self.task.load_state_dict(state["task"])
-            checkpoint.set_rng_state(state["rng"])
+            ranks = state.get("rng_ranks") or [state["rng"]]
+            if self.world.rank < len(ranks):  # a rank the saved run did not have keeps its fresh stream
+                checkpoint.set_rng_state(ranks[self.world.rank])
             self.diverged_reason = state["diverged_reason"]
             self.log_offsets = state["log_offsets"]
             window = state["window"]
@@ -314,13 +340,20 @@ class Trainer:
         self._wall_before = measured["wall_s"]
 
     def save_checkpoint(self) -> None:
-        checkpoint.save(self.run_dir / checkpoint.CHECKPOINT_NAME, self.state_dict())
+        """Rank 0 writes it, with every rank's RNG state (all ranks call this at the same step)."""
+        ranks = self.world.gather(checkpoint.rng_state())
+        if self.world.is_main:
+            self._rng_ranks = ranks if self.world.active else None
+            checkpoint.save(self.run_dir / checkpoint.CHECKPOINT_NAME, self.state_dict())
         self._last_checkpoint = time.monotonic()
 
-    def checkpoint_due(self) -> bool:
-        every, minutes = self.t.checkpoint_every, self.t.checkpoint_minutes
-        return bool((every and self.step % every == 0) or
-                    (minutes and time.monotonic() - self._last_checkpoint >= 60 * minutes))
+    def checkpoint_due(self, minutes_passed: bool) -> bool:
+        every = self.t.checkpoint_every
+        return bool((every and self.step % every == 0) or minutes_passed)
+
+    def minutes_passed(self) -> bool:
+        minutes = self.t.checkpoint_minutes
+        return bool(minutes and time.monotonic() - self._last_checkpoint >= 60 * minutes)
 
     def wall_s(self) -> float:
         return self._wall_before + time.perf_counter() - self._wall_start
@@ -347,7 +380,16 @@ class Trainer:
         moved = to_device({k: v for k, v in batch.items() if k not in self.task.host_keys}, self.device)
         return self.policy.cast_inputs({**moved, **host})
 
-    def evaluate(self, logger: RunLogger) -> dict[str, float]:
+    def evaluate(self) -> dict[str, float]:
+        """Rank 0 evaluates the whole evaluation set while the others wait; every rank gets its metrics.
+
+        Not sharded: each task computes its metric its own way (top-1 counts, mAP over all
+        detections, perplexity, CER/WER), and one process over the whole set gives the numbers
+        a single-process run gives, with no per-task reduction code."""
+        metrics = self._evaluate(self.logger) if self.world.is_main else {}
+        return self.world.broadcast(metrics)
+
+    def _evaluate(self, logger: RunLogger) -> dict[str, float]:
         """Evaluate, log the metrics and any pictures (TensorBoard eval/<name>, <name>_step<N>.png)."""
         self.model.eval()
         batches = (self.to_device(b) for b in eval_batches(self.eval_set, self.eval_batch_size, self.num_workers,
@@ -362,8 +404,11 @@ class Trainer:
             save_image(image, self.run_dir / f"{name}_step{self.step}.png")
         return result.metrics
 
-    def log_train(self, logger: RunLogger) -> None:
-        values = {k: float(v) / self._log_count for k, v in self._log_sums.items()}
+    def log_train(self) -> None:
+        """Log the window's means (over steps and ranks); every rank calls it at the same steps."""
+        keys = sorted(self._log_sums)
+        means = self.world.mean(torch.stack([self._log_sums[k] for k in keys])).tolist() if keys else []
+        values = {k: v / self._log_count for k, v in zip(keys, means)}
         slots = list(self.slots.values())
         values.update({
             "lr": slots[0].lr,
@@ -376,7 +421,8 @@ class Trainer:
             for s in slots:
                 values.update({f"lr_{s.name}": s.lr, f"loss_scale_{s.name}": float(s.scaler.scale),
                                f"skipped_steps_{s.name}": s.skipped_steps})
-        logger.log(self.step, "train", values)
+        if self.logger is not None:
+            self.logger.log(self.step, "train", values)
         log.info("step %d/%d loss %.4f lr %.4g scale %g skipped %d", self.step, self.total_steps,
                  values.get("loss", float("nan")), values["lr"], values["loss_scale"], values["skipped_steps"])
         self._log_sums, self._log_count, self._window_overflows = {}, 0, 0
@@ -397,70 +443,130 @@ class Trainer:
     def run(self, overrides: list[str] | None = None) -> dict[str, Any]:
         """Train (or resume) under the run directory's lock; a finished run returns its summary.
 
-        SIGTERM / Ctrl-C finish the step in progress, write a checkpoint and exit (130 / 143)."""
-        with RunLock(self.run_dir), GracefulInterrupt() as interrupt:
-            previous = inspect_run_dir(self.run_dir, self.result_config, self.t.resume)
-            if previous.summary is not None:
+        SIGTERM / Ctrl-C finish the step in progress, write a checkpoint and exit (130 / 143).
+        Under torchrun rank 0 holds the lock and decides what the directory means; the other
+        ranks follow its decision and read the same checkpoint."""
+        with contextlib.ExitStack() as lock, GracefulInterrupt() as interrupt:
+            kind, value = self.world.broadcast(self._inspect(lock, overrides))
+            if kind == "error":
+                raise UserError(value)
+            if kind == "finished":
                 log.info("run already ended; summary at %s", self.run_dir / "summary.json")
-                return previous.summary
-            if previous.state is not None:
-                archive_summary(self.run_dir)  # only there when a finished run is extended (force)
-                self.load_state_dict(previous.state, self.run_dir / checkpoint.CHECKPOINT_NAME)
-                self.forced = previous.forced
+                return value
+            if kind == "resume":
+                path = self.run_dir / checkpoint.CHECKPOINT_NAME
+                # rank 0 read it already; the others read it from the (shared) run directory
+                state = self._previous_state if self.world.is_main else checkpoint.load(path)
+                self._previous_state = None
+                self.load_state_dict(state, path)
+                self.forced = value
                 log.info("resumed at step %d%s", self.step,
-                         f" (trainer.resume=force: {', '.join(previous.forced)} changed)" if previous.forced else "")
-            else:
-                write_run_config(self.run_dir, self.cfg, overrides or [])
+                         f" (trainer.resume=force: {', '.join(value)} changed)" if value else "")
             return self.train_and_summarise(interrupt)
 
-    def train_and_summarise(self, interrupt: GracefulInterrupt) -> dict[str, Any]:
-        self.logger = RunLogger(self.run_dir, self.step, self.log_offsets["metrics"])
-        self.stats.open(self.logger.tb, self.log_offsets["stats"])
-        self.model.train()
-        stream = train_batches(self.train_set, self.epoch_plan, self.num_workers, self.task.collate,
-                               self.root.seed, self.step, self.task.reset_state)
-        largest = -1 if self.measured_on is None else self.measured_on["count"]
-        self._last_checkpoint = time.monotonic()
+    def _inspect(self, lock: contextlib.ExitStack, overrides: list[str] | None) -> tuple[str, Any]:
+        """Rank 0 takes the lock and says what the run directory means: ('finished', summary) |
+        ('resume', forced keys) | ('fresh', None) | ('error', message) (under torchrun, so that
+        every rank exits with it); other ranks return None and receive rank 0's answer."""
+        if not self.world.is_main:
+            return None  # type: ignore[return-value]
         try:
-            while self.step < self.total_steps and self.diverged_reason is None:
-                host_batch = next(stream)
-                count = self.task.count(host_batch)
-                batch = self.to_device(host_batch)
-                # Activation memory is measured on the largest batch so far (for fixed-size
-                # batches: once, on the first), so a short first batch cannot under-report.
-                measure = count > largest
-                self.timer.start()
-                logs, skipped = self.train_iteration(batch, measure_memory=measure)
-                self.timer.stop(count)
-                if measure:
-                    largest = count
-                    self.measured_on = {"step": self.step + 1, "count": count}
-                self._window_overflows += int(skipped)
-                for k, v in logs.items():
-                    self._log_sums[k] = self._log_sums.get(k, 0) + v.detach().float()
-                self._log_count += 1
-                self.step += 1
-                self.samples += count
-                if self.step % self.t.log_every == 0 or self.step == self.total_steps:
-                    self.log_train(self.logger)
-                if self.t.eval_every and self.step % self.t.eval_every == 0 and self.step < self.total_steps:
-                    self.evaluate(self.logger)
-                self.check_skips()
-                if interrupt.requested:
-                    self.save_checkpoint()
-                    interrupt.stop(self.step)
-                if self.checkpoint_due():
-                    self.save_checkpoint()
-            if self._log_count:
-                self.log_train(self.logger)
-            self.save_checkpoint()
-            metrics = self.evaluate(self.logger)
+            lock.enter_context(RunLock(self.run_dir))
+            previous = inspect_run_dir(self.run_dir, self.result_config, self.t.resume)
+            if previous.summary is not None:
+                return "finished", previous.summary
+            if previous.state is not None:
+                archive_summary(self.run_dir)  # only there when a finished run is extended (force)
+                self._previous_state = previous.state
+                return "resume", previous.forced
+            write_run_config(self.run_dir, self.cfg, overrides or [])
+            return "fresh", None
+        except UserError as exc:
+            if not self.world.active:
+                raise
+            return "error", str(exc)
+
+    def train_and_summarise(self, interrupt: GracefulInterrupt) -> dict[str, Any]:
+        if self.world.is_main:
+            self.logger = RunLogger(self.run_dir, self.step, self.log_offsets["metrics"])
+            self.stats.open(self.logger.tb, self.log_offsets["stats"])
+        self.model.train()
+        metrics: dict[str, float] = {}
+        try:
+            self.train_loop(interrupt)
+            metrics = self.evaluate()
+        except torch.OutOfMemoryError:
+            if self.world.active:
+                raise  # the other ranks wait in a collective: end the whole job (torchrun stops them)
+            self.oom = True
         finally:
             self.stats.close()
-            self.logger.close()
+            if self.logger is not None:
+                self.logger.close()
+        if self.oom:
+            self.release_memory()
+            log.warning("out of memory at step %d with data.batch_size=%d", self.step + 1, self.batch_size)
         summary = self.summary(metrics, self.diverged_reason, self.wall_s())
-        write_json_atomic(self.run_dir / "summary.json", summary)
+        if self.world.is_main:
+            write_json_atomic(self.run_dir / "summary.json", summary)
         return summary
+
+    def train_loop(self, interrupt: GracefulInterrupt) -> None:
+        stream = shard_batches(self.train_set, self.epoch_plan, self.num_workers, self.task.collate,
+                               self.root.seed, self.step, self.task.reset_state, self.world.shard)
+        largest = -1 if self.measured_on is None else self.measured_on["count"]
+        self._last_checkpoint = time.monotonic()
+        while self.step < self.total_steps and self.diverged_reason is None:
+            host_batch, share = next(stream)
+            count = self.task.count(host_batch)
+            batch = self.to_device(host_batch)
+            # Activation memory is measured on the largest batch so far (for fixed-size
+            # batches: once, on the first), so a short first batch cannot under-report.
+            measure = count > largest
+            self.ctx.grad_weight = share
+            self.timer.start()
+            logs, skipped = self.train_iteration(batch, measure_memory=measure)
+            # One host-side exchange per iteration (none for one process): a signal or a due
+            # time-based checkpoint on any rank stops or checkpoints all of them at this step,
+            # and the global batch's count makes throughput and `samples` global.
+            stop, minutes_passed, global_count = self.world.sum(
+                interrupt.requested is not None, self.minutes_passed(), count)
+            global_count = int(global_count) if isinstance(count, int) else global_count
+            self.timer.stop(global_count)
+            if measure:
+                largest = count
+                self.measured_on = {"step": self.step + 1, "count": count}
+            self._window_overflows += int(skipped)
+            for k, v in logs.items():
+                self._log_sums[k] = self._log_sums.get(k, 0) + v.detach().float()
+            self._log_count += 1
+            self.step += 1
+            self.samples += global_count
+            if self.step % self.t.log_every == 0 or self.step == self.total_steps:
+                self.log_train()
+            if self.t.eval_every and self.step % self.t.eval_every == 0 and self.step < self.total_steps:
+                self.evaluate()
+            self.check_skips()
+            if stop:
+                interrupt.follow()  # a rank that got no signal itself stops as the one that did
+                self.save_checkpoint()
+                interrupt.stop(self.step)
+            if self.checkpoint_due(bool(minutes_passed)):
+                self.save_checkpoint()
+        if self._log_count:
+            self.log_train()
+        self.save_checkpoint()
+
+    def release_memory(self) -> None:
+        """After an out-of-memory error: drop gradients and optimizer state and return cached
+        blocks, so the next job of a sweep in this process starts from an empty GPU."""
+        self.model.zero_grad(set_to_none=True)
+        for slot in self.slots.values():
+            slot.optimizer.zero_grad(set_to_none=True)
+            slot.optimizer.state.clear()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def summary(self, metrics: dict[str, float], diverged_reason: str | None, wall_s: float) -> dict[str, Any]:
         headline = metrics.get(self.task.metric_name)
@@ -482,7 +588,9 @@ class Trainer:
             "steps": self.step,
             "samples": self.samples,
             "count_unit": self.task.count_unit,
-            "batch_size": self.batch_size,
+            "batch_size": self.batch_size,  # the global batch (data.batch_size), split over world_size ranks
+            "world_size": self.world.size,
+            "oom": self.oom,
             "metric_name": self.task.metric_name,
             "metric": headline,
             "higher_is_better": self.task.higher_is_better,

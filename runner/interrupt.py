@@ -46,6 +46,12 @@ class GracefulInterrupt:
         self.requested = signal.Signals(signum).name
         self.exit_code = 128 + signum
 
+    def follow(self) -> None:
+        """Another process of a data-parallel run was interrupted: stop as if SIGTERM came here too
+        (torchrun forwards a scheduler's SIGTERM to every rank, not always before the same step)."""
+        if self.requested is None:
+            self.requested, self.exit_code = "SIGTERM", 128 + signal.SIGTERM
+
     def stop(self, step: int) -> NoReturn:
         """Call after the checkpoint of `step` is written: say so and exit with the signal's code."""
         print(f"mpt-run: interrupted by {self.requested} at step {step}; checkpoint saved; "

@@ -25,10 +25,14 @@ def epoch_batches(plan: EpochPlan, seed: int, epoch: int) -> list[list[int]]:
     return plan(epoch_generator(seed, epoch))
 
 
-def check_plan(batches: list[list[int]], dataset: Dataset, batch_size: int) -> None:
+def check_plan(batches: list[list[int]], dataset: Dataset, batch_size: int, world_size: int = 1) -> None:
     if not batches:
         raise UserError(f"the training set has {len(dataset)} items, fewer than one batch of {batch_size}; "
                         f"lower data.batch_size or use more training data")
+    smallest = min(len(b) for b in batches)
+    if smallest < world_size:
+        raise UserError(f"a training batch of {smallest} items cannot give each of {world_size} processes one; "
+                        f"data.batch_size is the global batch: raise it or start fewer processes")
 
 
 def train_batches(dataset: Dataset, plan: EpochPlan, num_workers: int, collate: Callable[[list], Any],
@@ -36,6 +40,16 @@ def train_batches(dataset: Dataset, plan: EpochPlan, num_workers: int, collate: 
     """Endless stream of training batches from global step `start_step` (0-based count of batches
     already trained). `on_epoch_start` runs before the first batch of every epoch begun from
     its start (a resumed run restores its mid-epoch state from the checkpoint instead)."""
+    for batch, _ in shard_batches(dataset, plan, num_workers, collate, seed, start_step, on_epoch_start):
+        yield batch
+
+
+def shard_batches(dataset: Dataset, plan: EpochPlan, num_workers: int, collate: Callable[[list], Any],
+                  seed: int, start_step: int, on_epoch_start: Callable[[], None],
+                  shard: Callable[[list[int]], list[int]] = lambda b: b) -> Iterator[tuple[Any, float]]:
+    """train_batches for one process of a data-parallel run: (its share of each global batch,
+    that share's fraction of the global batch). Every process walks the same plan; `shard`
+    picks its items (runner.distributed.World.shard)."""
     epoch, offset = 0, start_step
     batches = epoch_batches(plan, seed, epoch)
     while offset >= len(batches):  # epochs may differ in length (bucketing): walk them
@@ -45,10 +59,15 @@ def train_batches(dataset: Dataset, plan: EpochPlan, num_workers: int, collate: 
     while True:
         if offset == 0:
             on_epoch_start()
+        local = [shard(b) for b in batches[offset:]]
+        if any(not b for b in local):
+            raise UserError(f"epoch {epoch} has a training batch too small to give every process an item; "
+                            f"data.batch_size is the global batch: raise it or start fewer processes")
+        fractions = [len(mine) / len(b) for mine, b in zip(local, batches[offset:])]
         # Own generator: worker seeds come from (seed, epoch), and the global RNG (which the
         # checkpoint restores for augmentation in the main process) is not drawn from.
-        yield from DataLoader(dataset, batch_sampler=batches[offset:], num_workers=num_workers,
-                              collate_fn=collate, generator=epoch_generator(seed, epoch))
+        yield from zip(DataLoader(dataset, batch_sampler=local, num_workers=num_workers, collate_fn=collate,
+                                  generator=epoch_generator(seed, epoch)), fractions)
         epoch, offset = epoch + 1, 0
         batches = epoch_batches(plan, seed, epoch)
 

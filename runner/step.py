@@ -6,13 +6,17 @@ loss scaler. Per slot, per iteration:
 
     backward(loss, name)   scaled backward, gradients only into this slot's parameters
                            (autograd `inputs=`), may be called several times (they add up)
-    step(name)             grads -> master (FP32), unscale + overflow check (no sync),
-                           one host read of the overflow flag: skip, or clip, optimizer
+    step(name)             data-parallel: all-reduce the slot's gradients (runner/distributed.py);
+                           grads -> master (FP32), unscale + overflow check (no sync),
+                           one host read of the overflow flag (MAX over ranks, so a skip is
+                           global): skip, or clip, optimizer
                            step, LR step, round the master back into the model; then the
                            slot's model gradients are cleared
     finish_iteration()     each slot that stepped updates its scaler once (on the device)
 
 A skipped step of one slot never skips another: each reads only its own flag.
+Whatever a scaler reads (the flag, max|grad|) is MAX-reduced over ranks, so every rank
+holds the same scale at every step.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from typing import Any, ContextManager
 import torch
 
 from runner.config import OptimizerConfig
+from runner.distributed import World
 from runner.gradstats import GradStats
 from runner.measure import tensor_bytes
 from runner.optim import clip_grad_norm_
@@ -76,8 +81,10 @@ class TrainStep:
     bracket every training iteration; evaluation uses cast/fp32 only."""
 
     def __init__(self, policy: PrecisionPolicy, slots: dict[str, OptimizerSlot], stats: GradStats,
-                 inject_nonfinite_at: list[int]) -> None:
+                 inject_nonfinite_at: list[int], world: World = World()) -> None:
         self.policy = policy
+        self.world = world
+        self.grad_weight = 1.0  # this rank's share of the global batch (n_rank / n_global): its loss's weight
         self.device = policy.device
         self.slots = slots
         self.stats = stats
@@ -105,20 +112,31 @@ class TrainStep:
         if self.stats.sampling:  # a second optimizer's scale, relative to the one statistics record at
             reference = next(iter(self.slots.values()))
             self.stats.backward_scale(None if slot is reference else slot.scaler.scale / reference.scaler.scale)
+        scaled = slot.scaler.scale_loss(loss)
+        if self.grad_weight != 1.0:
+            # Data-parallel: each item's gradient gets the 1/N of the global batch, as in one process,
+            # so FP16 gradients have the single-process range and the all-reduce simply sums them.
+            scaled = scaled * self.grad_weight
         with torch.autocast(self.device.type, enabled=False):  # backward never autocasts
-            torch.autograd.backward(slot.scaler.scale_loss(loss), inputs=slot.params.model_params)
+            torch.autograd.backward(scaled, inputs=slot.params.model_params)
 
     def step(self, name: str = "main") -> None:
         slot = self._slot(name)
         bound = slot.params
         with torch.autocast(self.device.type, enabled=False):
+            self.world.reduce_gradients(bound.model_params)
             grads = bound.grads_for_update()
             if self.step_number in self.inject_nonfinite_at and grads:
                 dense_values(grads)[0].fill_(float("inf"))  # debug hook: an overflow exactly here
             found_inf = slot.scaler.unscale_(grads)
             self.stats.weight_grads(bound)
             if slot.scaler.needs_grad_max:
-                slot.grad_max = _running_max(slot.grad_max, grad_abs_max(grads))
+                # One collective for the flag and max|grad|: a rank-local inf (e.g. in a master copy)
+                # still skips every rank, and the lognormal scaler reads the same value everywhere.
+                found_inf, grad_max = self.world.all_max(torch.stack([found_inf, grad_abs_max(grads)]))
+                slot.grad_max = _running_max(slot.grad_max, grad_max)
+            else:
+                found_inf = self.world.all_max(found_inf)
             slot.found_inf = _running_max(slot.found_inf, found_inf)
             slot.stepped = True
             if self.measure_grad_bytes:
@@ -154,6 +172,8 @@ class TrainStep:
         auto scaler's sampling steps (else None); every auto scaler uses it.
         """
         any_skipped = False
+        if stats_max is not None:  # auto: activation gradients are rank-local, never all-reduced
+            stats_max = self.world.all_max(stats_max)
         for slot in self.slots.values():
             if not slot.stepped:
                 continue

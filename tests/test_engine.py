@@ -11,7 +11,7 @@ from runner.engine import Trainer, train
 
 SUMMARY_KEYS = {"model", "precision", "scale", "device", "device_name", "torch_version", "steps", "samples",
                 "metric_name", "metric", "metrics", "samples_per_s", "step_time_ms_p50", "step_time_ms_p90",
-                "memory", "skipped_steps", "diverged", "wall_s"}
+                "memory", "skipped_steps", "diverged", "wall_s", "oom", "world_size"}
 MEMORY_KEYS = {"peak_allocated_bytes", "peak_reserved_bytes", "peak_rss_bytes", "param_bytes", "grad_bytes",
                "optimizer_state_bytes", "master_weight_bytes", "activation_bytes"}
 
@@ -38,6 +38,7 @@ def test_outputs_carry_the_contract(tiny_cfg):
     on_disk = json.loads((run_dir / "summary.json").read_text())
     assert SUMMARY_KEYS <= on_disk.keys() and MEMORY_KEYS <= on_disk["memory"].keys()
     assert on_disk["metric_name"] == "top1" and on_disk["metric"] == on_disk["metrics"]["top1"]
+    assert on_disk["oom"] is False and on_disk["world_size"] == 1
     assert on_disk["memory"]["peak_allocated_bytes"] is None  # CPU
     masters = torch.load(run_dir / "checkpoint.pt", weights_only=True)["slots"]["main"]["master"]
     assert on_disk["memory"]["master_weight_bytes"] == sum(4 * m.numel() for m in masters)
@@ -176,3 +177,28 @@ def test_evaluation_pictures_go_to_tensorboard_and_png(tiny_cfg, monkeypatch):
     acc = EventAccumulator(str(run_dir), size_guidance={"images": 0})
     acc.Reload()
     assert acc.Tags()["images"] == ["eval/samples"]
+
+
+def test_out_of_memory_ends_the_run_cleanly_as_oom_and_a_rerun_tries_again(tiny_cfg, monkeypatch):
+    """A batch-size sweep goes on past a job that does not fit: the job's summary says oom (not
+    diverged), with its batch size, and a rerun (on a larger GPU, say) trains instead of reporting it."""
+    from models import TASKS
+
+    cls = TASKS["resnet50"]
+    original = cls.train_step
+
+    def too_big(self, model, batch, ctx):
+        if ctx.step_number == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return original(self, model, batch, ctx)
+
+    monkeypatch.setattr(cls, "train_step", too_big)
+    cfg = tiny_cfg("data.batch_size=16")
+    summary = train(cfg)
+    run_dir = Path(summary["run_dir"])
+    assert summary["oom"] is True and summary["diverged"] is False and summary["batch_size"] == 16
+    assert summary["steps"] == 1 and summary["metric"] is None
+    assert json.loads((run_dir / "summary.json").read_text())["oom"] is True
+    monkeypatch.setattr(cls, "train_step", original)
+    again = train(cfg)
+    assert again["oom"] is False and again["steps"] == 4 and again["metric"] is not None
