@@ -1,7 +1,7 @@
 """What TensorBoard itself reads back from a run directory: the HParams table (experiment,
 sessions, final values), the Custom Scalars layout and the tag groups, through TensorBoard's own
 event multiplexer, data provider and plugins (the code its server runs). One test starts a real
-`tensorboard` server on 127.0.0.1; it runs only with MPT_LIVE_TENSORBOARD=1 (it takes ~10 s)."""
+`tensorboard` server on 127.0.0.1; it runs only with MPT_LIVE_TENSORBOARD=1 (~25 s for both loaders)."""
 from __future__ import annotations
 
 import json
