@@ -45,7 +45,7 @@ from runner.config import RootConfig, validate
 from runner.errors import UserError
 from runner.gradstats import GradStats
 from runner.interrupt import GracefulInterrupt
-from runner.loader import check_plan, epoch_batches, eval_batches, shard_batches
+from runner.loader import check_plan, epoch_batches, eval_batches, shard_batches, shareable
 from runner.logs import RunLogger, write_json_atomic
 from runner.measure import SavedActivations, StepTimer, memory_report
 from runner.optim import build_optimizer, build_scheduler
@@ -212,9 +212,10 @@ def check_run(cfg: DictConfig, inspect_existing: bool = True) -> RunPlan:
         inspect_run_dir(run_dir, result_config(cfg), root.trainer.resume)
     seed_everything(root.seed, root.trainer.deterministic, root.threads)
     train_set, eval_set = task.build_train_data(), task.build_eval_data()
-    batch_size = task.data_cfg.batch_size
-    first_epoch = epoch_batches(lambda g: task.epoch_batches(train_set, batch_size, g), root.seed, 0)
-    check_plan(first_epoch, train_set, batch_size, distributed.env_world_size())
+    batch_size, world_size = task.data_cfg.batch_size, distributed.env_world_size()
+    plan = shareable(lambda g: task.epoch_batches(train_set, batch_size, g), world_size)
+    first_epoch = epoch_batches(plan, root.seed, 0)
+    check_plan(first_epoch, train_set, batch_size, world_size)
     return RunPlan(root, device, policy, task, run_dir, train_set, eval_set, len(first_epoch))
 
 
@@ -276,7 +277,8 @@ class Trainer:
         self._wall_before = 0.0  # wall time of earlier segments of a resumed run
 
     def epoch_plan(self, generator: torch.Generator) -> list[list[int]]:
-        return self.task.epoch_batches(self.train_set, self.batch_size, generator)
+        plan = shareable(lambda g: self.task.epoch_batches(self.train_set, self.batch_size, g), self.world.size)
+        return plan(generator)
 
     def build_slots(self, per_epoch: int) -> dict[str, OptimizerSlot]:
         specs = self.task.optimizer_params(self.model)

@@ -25,14 +25,22 @@ def epoch_batches(plan: EpochPlan, seed: int, epoch: int) -> list[list[int]]:
     return plan(epoch_generator(seed, epoch))
 
 
+def shareable(plan: EpochPlan, world_size: int) -> EpochPlan:
+    """The plan of a data-parallel run: batches with fewer items than processes (the short last
+    batch of a length bucket) are left out, on every rank alike, so each process gets at least one
+    item. Still a function of (seed, epoch) only: resuming finds the same batches."""
+    if world_size == 1:
+        return plan
+    return lambda generator: [b for b in plan(generator) if len(b) >= world_size]
+
+
 def check_plan(batches: list[list[int]], dataset: Dataset, batch_size: int, world_size: int = 1) -> None:
+    if not batches and world_size > 1:
+        raise UserError(f"no training batch has {world_size} items to give each process one; data.batch_size "
+                        f"is the global batch: raise it or start fewer processes")
     if not batches:
         raise UserError(f"the training set has {len(dataset)} items, fewer than one batch of {batch_size}; "
                         f"lower data.batch_size or use more training data")
-    smallest = min(len(b) for b in batches)
-    if smallest < world_size:
-        raise UserError(f"a training batch of {smallest} items cannot give each of {world_size} processes one; "
-                        f"data.batch_size is the global batch: raise it or start fewer processes")
 
 
 def train_batches(dataset: Dataset, plan: EpochPlan, num_workers: int, collate: Callable[[list], Any],
@@ -59,10 +67,7 @@ def shard_batches(dataset: Dataset, plan: EpochPlan, num_workers: int, collate: 
     while True:
         if offset == 0:
             on_epoch_start()
-        local = [shard(b) for b in batches[offset:]]
-        if any(not b for b in local):
-            raise UserError(f"epoch {epoch} has a training batch too small to give every process an item; "
-                            f"data.batch_size is the global batch: raise it or start fewer processes")
+        local = [shard(b) for b in batches[offset:]]  # never empty: see shareable()
         fractions = [len(mine) / len(b) for mine, b in zip(local, batches[offset:])]
         # Own generator: worker seeds come from (seed, epoch), and the global RNG (which the
         # checkpoint restores for augmentation in the main process) is not drawn from.

@@ -42,6 +42,22 @@ def test_sweep_puts_every_job_in_its_predicted_directory(tmp_path):
     assert found == predicted and len(found) == 4
 
 
+def test_submitit_local_sweep_runs_jobs_in_their_predicted_directories(tmp_path):
+    """hydra/launcher=submitit_local (the cluster extra) runs the sweep as separate local jobs, after the
+    same pre-flight (a colliding sweep is still refused up front) and with the same run directories."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    common = ["hydra/launcher=submitit_local", *TINY, "trainer.max_steps=2", "data.num_eval=16", f"out_root={tmp_path}"]
+    refused = mpt_run("-m", *common, "trainer.log_every=1,2")
+    assert refused.returncode == 2 and "would both write" in refused.stderr and not list(tmp_path.iterdir())
+    proc = mpt_run("-m", *common, "seed=0,1")
+    assert proc.returncode == 0, proc.stderr
+    predicted = {compose_job([*TINY, "trainer.max_steps=2", "data.num_eval=16", f"out_root={tmp_path}",
+                              f"seed={s}"]).out_dir for s in (0, 1)}
+    found = {str(p.parent) for p in tmp_path.rglob("summary.json")}
+    assert found == predicted
+    assert len(list(tmp_path.glob("multirun/*/.submitit/*/*_log.out"))) == 2  # two jobs, each its own process
+
+
 def test_result_neutral_keys_do_not_change_the_directory(tmp_path):
     base = compose_job([*TINY, f"out_root={tmp_path}"]).out_dir
     for neutral in ("trainer.log_every=1", "trainer.checkpoint_every=2", "device=cpu", "trainer.resume=never"):

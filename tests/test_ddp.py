@@ -35,6 +35,7 @@ from torch.utils.data import TensorDataset
 import models
 from data.common import LoaderConfig
 from runner.cli import compose_job
+from runner.errors import UserError
 from runner.task import Batch, EvalResult, StepContext, Task
 from tests.conftest import ENV, TINY
 
@@ -125,14 +126,32 @@ def compose(out_dir: Path, *overrides: str) -> Any:
 
 
 def train_and_read(cfg: Any) -> dict[str, Any]:
+    """Train; every optimizer's weights (master copies where there are), scales and skips, and
+    the model's buffers (batch-norm statistics are rank 0's: it evaluates and checkpoints)."""
     from runner.engine import Trainer
 
     trainer = Trainer(cfg)
     summary = trainer.run()
-    slot = trainer.slots["main"]
-    weights = slot.params.master_params or list(trainer.model.parameters())
-    return {"weights": [w.detach().clone() for w in weights], "scale": float(slot.scaler.scale),
-            "skipped": slot.skipped_steps, "summary": summary, "rng": torch.get_rng_state()}
+    slots = list(trainer.slots.values())
+    weights = [w for s in slots for w in (s.params.master_params or s.params.model_params)]
+    return {"weights": [w.detach().clone() for w in weights], "scale": [float(s.scaler.scale) for s in slots],
+            "skipped": sum(s.skipped_steps for s in slots), "summary": summary, "rng": torch.get_rng_state()}
+
+
+def toy_config(task: str, out_dir: Path) -> Any:
+    """A task of tests/toy_tasks.py (GAN: two optimizers; packed LM: sparse embedding gradients,
+    PackedSequence, batches of varying size; stream LM: state carried per row; CTC) in mp."""
+    from tests.test_toy_tasks import COMMON as TOY_COMMON, RECIPES, TOYS
+
+    models.TASKS[task] = TOYS[task][0]
+    cfg = compose_job([*TOY_COMMON, *RECIPES[task], "precision=mp", "scale=dynamic", "threads=1", "device=cpu",
+                       f"out_dir={out_dir}"])
+    OmegaConf.set_struct(cfg, False)
+    cfg.model, cfg.data = {"name": task}, {"name": TOYS[task][1]}
+    return cfg
+
+
+TOY_TASKS = ("toy_gan", "toy_lm", "toy_stream_lm", "toy_ctc")
 
 
 def _worker(rank: int, port: int, root: str, results: str) -> None:
@@ -143,6 +162,13 @@ def _worker(rank: int, port: int, root: str, results: str) -> None:
     out: dict[str, Any] = {}
     for name, overrides in SCENARIOS.items():
         out[name] = train_and_read(compose(Path(root) / name, *overrides))
+    try:  # the finished fp32 run again with another lr: refused (by rank 0, for every rank)
+        train_and_read(compose(Path(root) / "fp32", *SCENARIOS["fp32"], "trainer.lr=0.05"))
+        out["refused"] = ""
+    except UserError as exc:
+        out["refused"] = str(exc)
+    for task in TOY_TASKS:
+        out[task] = train_and_read(toy_config(task, Path(root) / task))
     out["resume_straight"] = train_and_read(compose(Path(root) / "straight", *RESUME))
     train_and_read(compose(Path(root) / "resumed", *RESUME, "trainer.max_steps=3"))
     out["resume_resumed"] = train_and_read(compose(Path(root) / "resumed", *RESUME, "trainer.resume=force"))
@@ -230,7 +256,7 @@ def test_two_ranks_train_as_one_process_with_the_global_batch(ranks, single, nam
 
 def test_dynamic_scaler_overflowed_and_backed_off_the_same_on_both_ranks(ranks) -> None:
     r = ranks[0]["mp_dynamic"]
-    assert r["skipped"] >= 1 and r["scale"] < 262144  # init 2^18 overflows FP16 gradients at first
+    assert r["skipped"] >= 1 and r["scale"][0] < 262144  # init 2^18 overflows FP16 gradients at first
 
 
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(ranks, single) -> None:
@@ -242,11 +268,12 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(ranks, single) -> 
     assert_close(ranks[0]["one_rank_inf"]["weights"], one["weights"], 0, 2e-3)
 
 
-@pytest.mark.parametrize("name", ["lognormal", "auto", "stats"])
+@pytest.mark.parametrize("name", ["lognormal", "auto", "stats", *TOY_TASKS])
 def test_every_rank_holds_the_same_scale_and_weights(ranks, name) -> None:
     assert_ranks_identical(ranks, name)
-    if name != "stats":  # the statistical scalers did move away from their initial scale
-        assert ranks[0][name]["scale"] != 2.0**16
+    if name in ("lognormal", "auto"):  # the statistical scalers did move away from their initial scale
+        assert ranks[0][name]["scale"] != [2.0**16]
+    assert ranks[0][name]["summary"]["steps"] == ranks[0][name]["summary"]["config"]["trainer"]["max_steps"]
 
 
 def test_only_rank_0_writes_files(ranks) -> None:
@@ -297,10 +324,19 @@ def test_torchrun_trains_a_model_with_rank_0_reporting_and_logging(tmp_path: Pat
     assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith(".")) == [".hydra", ".lock"]
 
 
-def test_torchrun_bad_input_exits_2_on_every_rank(tmp_path: Path) -> None:
-    # data.batch_size is the global batch: 1 item cannot be shared by 2 processes
-    result = torchrun("data.batch_size=1", f"out_root={tmp_path}", cwd=tmp_path)
-    assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if line.startswith("mpt-run: error:")]
-    assert len(errors) == 2 and "data.batch_size is the global batch" in errors[0]
-    assert "exitcode  : 2" in result.stderr and "Traceback" not in result.stderr.split("ChildFailedError")[0]
+def test_bad_input_on_a_rank_exits_2_with_one_line(tmp_path: Path) -> None:
+    """What each torchrun worker does with bad input (checked before any process group exists):
+    data.batch_size is the global batch, and 1 item cannot be shared by 2 processes."""
+    env = {**ENV, "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port())}
+    result = subprocess.run([sys.executable, "-m", "runner", *TINY, "data.batch_size=1", f"out_root={tmp_path}"],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "mpt-run: error: no training batch has 2 items to give each process one; data.batch_size is the global "
+        "batch: raise it or start fewer processes"]
+
+
+def test_rank_0s_refusal_reaches_every_rank(ranks) -> None:
+    """Rank 0 alone inspects the run directory (under its lock); its UserError is every rank's."""
+    assert ranks[0]["refused"] == ranks[1]["refused"] and "differ from this command" in ranks[0]["refused"]
