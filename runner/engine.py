@@ -371,7 +371,7 @@ class Trainer:
         with (recorder.recording() if recorder else contextlib.nullcontext()), self.policy.autocast():
             logs = self.task.train_step(self.model, batch, self.ctx)
         if recorder:
-            self.activation_bytes = recorder.total
+            self.activation_bytes = recorder.peak
         first = next(iter(self.slots.values()))
         stats_max = self.stats.end(number, first.scaler.scale)  # auto's max|grad| on its steps, else None
         return logs, self.ctx.finish_iteration(stats_max)

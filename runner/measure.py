@@ -11,6 +11,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
+import weakref
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator
 
@@ -113,15 +114,22 @@ def peak_rss_bytes() -> int:
 
 
 class SavedActivations:
-    """Bytes of tensors autograd saves for backward, parameters (and autocast's copies of them) excluded.
+    """Peak bytes of tensors autograd holds for backward at once, parameters (and autocast's copies
+    of them) excluded.
 
-    Counted per storage, so views of one buffer count once. This is the
-    device-independent measure of the activation memory the paper halves.
+    Counted per storage, so views of one buffer count once. A storage counts from the moment a
+    tensor of it is saved until every saved tensor of it is gone (its graph freed by backward),
+    so an iteration with several backward passes (a GAN's D and G steps) reports the largest
+    amount alive together, and a storage freed by one pass and reused at the same address by the
+    next is not mistaken for the first. This is the device-independent measure of the
+    activation memory the paper halves.
     """
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
         self.params = {t.untyped_storage().data_ptr() for t in params}
-        self.storages: dict[int, int] = {}
+        self.live: dict[int, list[int]] = {}  # storage address -> [bytes, saved tensors alive]
+        self.current = 0
+        self.peak = 0
 
     def _is_weight_copy(self, t: torch.Tensor) -> bool:
         """autocast's low-precision copy of a parameter: weight memory, not an activation."""
@@ -135,18 +143,28 @@ class SavedActivations:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr not in self.params and ptr != 0 and not self._is_weight_copy(t):
-            self.storages[ptr] = storage.nbytes()
+        if ptr in self.params or ptr == 0 or self._is_weight_copy(t):
+            return t
+        entry = self.live.get(ptr)
+        if entry is None:
+            entry = self.live[ptr] = [storage.nbytes(), 0]
+            self.current += entry[0]
+            self.peak = max(self.peak, self.current)
+        entry[1] += 1
+        weakref.finalize(t, self._release, ptr)  # runs when autograd (and everyone else) drops it
         return t
+
+    def _release(self, ptr: int) -> None:
+        entry = self.live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.live[ptr]
+            self.current -= entry[0]
 
     @contextmanager
     def recording(self) -> Iterator[None]:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             yield
-
-    @property
-    def total(self) -> int:
-        return sum(self.storages.values())
 
 
 def memory_report(device: torch.device, model: nn.Module, master: list[torch.Tensor],
