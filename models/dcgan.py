@@ -9,7 +9,9 @@ stride 2, channels doubling as the resolution halves (capped at 8x `width`), N(0
 initialisation, leaky slope 0.2. At 128 px that is 1 + 5 + 1 generator convolutions
 (project to 4x4, five doublings, a 3x3 output layer) and 1 + 5 discriminator convolutions
 (3x3 input layer, five halvings) + 2 FC. `image_size` 32/64 drop doubling/halving layers
-from the same builder, `width` narrows every layer, for CPU runs.
+from the same builder, `width` narrows every layer, for CPU runs. `outer_bn=false` removes
+the batch norm of G's output and D's input layer, as Radford et al. do (they found BN there
+makes samples oscillate); the quick preset needs it (see configs/experiment/quick_dcgan.yaml).
 
 Loss scaling with two losses: each optimizer ("disc", "gen") has its own loss scaler in the
 engine, as torch.amp/apex users give each loss its own range; a skipped (overflowing)
@@ -45,6 +47,10 @@ class DCGANConfig:
     width: int = 64                 # channels at full resolution; x2 per halving, at most 8x
     latent_dim: int = 100           # size of the N(0, 1) noise vector
     swd_patches: int = 64           # 7x7 patches per image and pyramid level for the SWD metric
+    # Batch norm on G's output layer and D's input layer: true is the paper's "every layer but
+    # D's last"; false is Radford et al.'s DCGAN, which found that BN there makes samples
+    # oscillate (G's output BN re-normalises every colour channel per batch before the tanh).
+    outer_bn: bool = True
 
     def __post_init__(self) -> None:
         if self.image_size not in IMAGE_SIZES:
@@ -60,22 +66,23 @@ def channels(resolution: int, cfg: DCGANConfig) -> int:
     return cfg.width * min(8, cfg.image_size // resolution)
 
 
-def _block(conv: nn.Module, out_channels: int, activation: nn.Module) -> list[nn.Module]:
-    # Batch norm follows every convolution, so the convolutions need no bias.
-    return [conv, nn.BatchNorm2d(out_channels), activation]
+def _block(conv: type[nn.Module], args: tuple[int, ...], activation: nn.Module, norm: bool = True) -> list[nn.Module]:
+    """conv(*args) [+ batch norm] + activation; a convolution followed by batch norm needs no bias."""
+    layer = conv(*args, bias=not norm)
+    return [layer, nn.BatchNorm2d(args[1]), activation] if norm else [layer, activation]
 
 
 def build_generator(cfg: DCGANConfig) -> nn.Sequential:
     """noise [N, latent_dim, 1, 1] -> image [N, 3, S, S] in [-1, 1]."""
     first = channels(4, cfg)
-    layers = _block(nn.ConvTranspose2d(cfg.latent_dim, first, 4, 1, 0, bias=False), first, nn.LeakyReLU(SLOPE))
+    layers = _block(nn.ConvTranspose2d, (cfg.latent_dim, first, 4, 1, 0), nn.LeakyReLU(SLOPE))
     resolution = 4
     while resolution < cfg.image_size:
         c_in, c_out = channels(resolution, cfg), channels(2 * resolution, cfg)
-        layers += _block(nn.ConvTranspose2d(c_in, c_out, 4, 2, 1, bias=False), c_out, nn.LeakyReLU(SLOPE))
+        layers += _block(nn.ConvTranspose2d, (c_in, c_out, 4, 2, 1), nn.LeakyReLU(SLOPE))
         resolution *= 2
-    # The paper puts batch norm on this layer too (all layers but D's last FC).
-    layers += _block(nn.ConvTranspose2d(channels(resolution, cfg), 3, 3, 1, 1, bias=False), 3, nn.Tanh())
+    # The paper puts batch norm on this layer too (all layers but D's last FC); outer_bn=false drops it.
+    layers += _block(nn.ConvTranspose2d, (channels(resolution, cfg), 3, 3, 1, 1), nn.Tanh(), cfg.outer_bn)
     return nn.Sequential(*layers)
 
 
@@ -83,10 +90,10 @@ def build_discriminator(cfg: DCGANConfig) -> nn.Sequential:
     """image [N, 3, S, S] -> one logit per image [N, 1] (the sigmoid lives in the loss)."""
     resolution = cfg.image_size
     first = channels(resolution, cfg)
-    layers = _block(nn.Conv2d(3, first, 3, 1, 1, bias=False), first, nn.LeakyReLU(SLOPE))
+    layers = _block(nn.Conv2d, (3, first, 3, 1, 1), nn.LeakyReLU(SLOPE), cfg.outer_bn)
     while resolution > 4:
         c_in, c_out = channels(resolution, cfg), channels(resolution // 2, cfg)
-        layers += _block(nn.Conv2d(c_in, c_out, 4, 2, 1, bias=False), c_out, nn.LeakyReLU(SLOPE))
+        layers += _block(nn.Conv2d, (c_in, c_out, 4, 2, 1), nn.LeakyReLU(SLOPE))
         resolution //= 2
     hidden = channels(4, cfg)
     layers += [nn.Flatten(), nn.Linear(hidden * 16, hidden, bias=False), nn.BatchNorm1d(hidden), nn.LeakyReLU(SLOPE),

@@ -71,7 +71,9 @@ def sliced_wasserstein(a: torch.Tensor, b: torch.Tensor, generator: torch.Genera
     total = 0.0
     for _ in range(REPEATS):
         directions = F.normalize(torch.randn(a.shape[1], DIRECTIONS, generator=generator), dim=0)
-        proj_a, proj_b = (a @ directions).sort(dim=0).values, (b @ directions).sort(dim=0).values
+        # [DIRECTIONS, M], sorted along the contiguous last dim: sorting [M, DIRECTIONS] along dim 0
+        # (strided) is ~2x slower on a CPU, and the sorts are most of the metric's cost.
+        proj_a, proj_b = (directions.T @ a.T).sort(dim=1).values, (directions.T @ b.T).sort(dim=1).values
         total += float((proj_a - proj_b).abs().mean())
     return total / REPEATS
 
