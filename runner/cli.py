@@ -10,6 +10,7 @@ traceback. HYDRA_FULL_ERROR=1 shows the traceback of bad input too.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -230,6 +231,7 @@ def fail(exc: UserError) -> None:
 def _job(cfg: DictConfig) -> None:
     from runner.engine import train
 
+    _quiet_other_ranks()
     try:
         summary = train(cfg, list(HydraConfig.get().overrides.task))
     except UserError as exc:
@@ -246,8 +248,21 @@ def _job(cfg: DictConfig) -> None:
 
 
 def is_main_process() -> bool:
-    """False in ranks 1.. of a torchrun job: they neither print the result nor write a log file."""
-    return os.environ.get("RANK", "0") == "0"
+    """False in ranks 1.. of a torchrun job or of a multi-GPU SLURM job of the submitit launcher
+    (configs/hydra/launcher/slurm_gpus.yaml): they neither print the result nor write a log file."""
+    slurm = os.environ.get("SLURM_PROCID") if "SUBMITIT_EXECUTOR" in os.environ else None
+    return os.environ.get("RANK", slurm or "0") == "0"
+
+
+def _quiet_other_ranks() -> None:
+    """In a submitit job Hydra has configured logging already (torchrun ranks get job_logging=none
+    in main()): only rank 0 keeps the file handler of <out_dir>/mpt.log."""
+    if is_main_process():
+        return
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+        root.removeHandler(handler)
+        handler.close()
 
 
 _hydra_main = hydra.main(config_path=CONFIG_PATH, config_name=CONFIG_NAME, version_base="1.3")(_job)

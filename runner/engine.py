@@ -270,7 +270,7 @@ class Trainer:
         self.result_config = result_config(cfg)
         self.forced: list[str] = []  # keys a trainer.resume=force resume allowed to change
         self._previous_state: dict[str, Any] | None = None  # rank 0: the checkpoint inspect_run_dir read
-        self._rng_ranks: list[dict[str, Any]] | None = None
+        self._ranks: list[dict[str, Any]] | None = None  # rank 0, saving: every rank's own state
         self.log_offsets = {"metrics": 0, "stats": 0}
         self._last_checkpoint = 0.0
         self._wall_start = time.perf_counter()
@@ -305,7 +305,8 @@ class Trainer:
             "slots": {n: slot.state_dict() for n, slot in self.slots.items()},
             "task": self.task.state_dict(),
             "rng": checkpoint.rng_state(),
-            "rng_ranks": self._rng_ranks,  # every rank's, rank 0's first (None for one process)
+            # data-parallel: each rank's RNG and task state (carried per-row state is the rank's own)
+            "ranks": self._ranks,
             "diverged_reason": self.diverged_reason,
             # where the logs end at this step: a resume cuts them back to it
             "log_offsets": {"metrics": self.logger.jsonl.offset(), "stats": self.stats.offset()},
@@ -323,10 +324,13 @@ class Trainer:
             self.model.load_state_dict(state["model"])
             for name, slot in self.slots.items():
                 slot.load_state_dict(state["slots"][name])
-            self.task.load_state_dict(state["task"])
-            ranks = state.get("rng_ranks") or [state["rng"]]
-            if self.world.rank < len(ranks):  # a rank the saved run did not have keeps its fresh stream
-                checkpoint.set_rng_state(ranks[self.world.rank])
+            ranks = state.get("ranks") or [{"rng": state["rng"], "task": state["task"]}]
+            if len(ranks) != self.world.size:  # each rank resumes its own rows and random streams
+                raise UserError(f"checkpoint {path} was written by {len(ranks)} process(es); resume it with as many "
+                                f"(torchrun --nproc_per_node={len(ranks)}, or without torchrun for 1)")
+            own = ranks[self.world.rank]
+            self.task.load_state_dict(own["task"])
+            checkpoint.set_rng_state(own["rng"])
             self.diverged_reason = state["diverged_reason"]
             self.log_offsets = state["log_offsets"]
             window = state["window"]
@@ -342,10 +346,13 @@ class Trainer:
         self._wall_before = measured["wall_s"]
 
     def save_checkpoint(self) -> None:
-        """Rank 0 writes it, with every rank's RNG state (all ranks call this at the same step)."""
-        ranks = self.world.gather(checkpoint.rng_state())
+        """Rank 0 writes it, with every rank's RNG and task state (all ranks call this at the same step)."""
+        ranks = None
+        if self.world.active:
+            ranks = self.world.gather({"rng": checkpoint.rng_state(),
+                                       "task": to_device(self.task.state_dict(), torch.device("cpu"))})
         if self.world.is_main:
-            self._rng_ranks = ranks if self.world.active else None
+            self._ranks = ranks
             checkpoint.save(self.run_dir / checkpoint.CHECKPOINT_NAME, self.state_dict())
         self._last_checkpoint = time.monotonic()
 

@@ -172,6 +172,12 @@ def _worker(rank: int, port: int, root: str, results: str) -> None:
     out["resume_straight"] = train_and_read(compose(Path(root) / "straight", *RESUME))
     train_and_read(compose(Path(root) / "resumed", *RESUME, "trainer.max_steps=3"))
     out["resume_resumed"] = train_and_read(compose(Path(root) / "resumed", *RESUME, "trainer.resume=force"))
+    stream = toy_config("toy_stream_lm", Path(root) / "stream_resumed")  # LSTM state carried per rank's rows
+    OmegaConf.update(stream, "trainer.max_steps", 6)
+    train_and_read(stream)
+    OmegaConf.update(stream, "trainer.max_steps", 12)
+    OmegaConf.update(stream, "trainer.resume", "force")
+    out["stream_resumed"] = train_and_read(stream)
     out["writes"] = writes
     torch.save(out, f"{results}/rank{rank}.pt")
 
@@ -298,6 +304,9 @@ def test_resume_under_ddp_restores_every_ranks_weights_and_rng(ranks) -> None:
             assert torch.equal(x, y)
         assert torch.equal(straight["rng"], resumed["rng"])  # the rank's own dropout stream went on
     assert not torch.equal(ranks[0]["resume_straight"]["rng"], ranks[1]["resume_straight"]["rng"])
+    for r in ranks:  # each rank's carried LSTM state (its rows of the stream) came back from the checkpoint
+        for x, y in zip(r["toy_stream_lm"]["weights"], r["stream_resumed"]["weights"], strict=True):
+            assert torch.equal(x, y)
 
 
 if __name__ == "__main__":
