@@ -13,15 +13,18 @@ What data parallelism means here (runner/engine.py and runner/step.py call these
 - Gradients are all-reduced (summed) by `reduce_gradients` in the step context, per
   optimizer, after the task's backward calls and before the loss scaler unscales them. Each
   rank's loss is weighted by its share of the batch (n_rank / n_global) before backward, so
-  every item's gradient carries the 1/n_global of one process over the global batch: the sum
-  is that process's gradient (also when a batch does not split evenly), and the FP16
+  every item's gradient carries the 1/n_global of one process over the global batch: for a
+  loss that is a mean over the batch's items the sum is that process's gradient (also when a
+  batch does not split evenly; a loss averaged over tokens of unequal shares is close, not
+  equal), and the FP16
   gradients have the range they have in one process, so overflows and scales agree with it.
   This is DDP's reduction, done explicitly rather than by nn.parallel.DistributedDataParallel:
   DDP's reducer is armed by the wrapper's forward and expects one backward over all
   parameters, while tasks here call sub-networks directly (a GAN's model.G / model.D),
   back-propagate into one optimizer's parameters at a time (autograd `inputs=`), may call
   backward several times per step, and produce sparse gradients (which nccl cannot
-  all-reduce). One explicit reduction per optimizer step serves all of them.
+  all-reduce). One explicit reduction per optimizer step serves all of them. Its cost: the
+  communication does not overlap the backward pass as DDP's bucketed hooks would.
 - Decisions are global: the overflow flag (and the scalers' max|grad|) are MAX-reduced with
   one collective whose result is read once, as the single host sync of a step; interrupts
   and time-based checkpoints are agreed over a gloo group of host flags.
