@@ -26,12 +26,23 @@ from runner.task import Batch, StepContext
 
 # A 32 px DCGAN at width 4 on 96 built-in faces: the paper's code path, tiny. The DCGAN
 # recipe (Adam 2e-4, betas 0.5/0.999, no decay) is spelled out so the test does not depend
-# on presets.
-TINY = ["model=dcgan", "model.image_size=32", "model.width=4", "model.swd_patches=8", "data.image_size=32",
+# on presets. One thread: on a loaded 2-core machine two OpenMP threads spin-wait for each
+# other on these tiny convolutions (measured: the file took 135 s of CPU with the default).
+TINY = ["threads=1", "model=dcgan", "model.image_size=32", "model.width=4", "model.swd_patches=8", "data.image_size=32",
         "data.num_train=96", "data.num_eval=32", "data.batch_size=16", "trainer.optimizer=adam",
         "trainer.lr=2e-4", "trainer.betas=[0.5,0.999]", "trainer.weight_decay=0", "trainer.schedule=constant",
         "trainer.warmup_steps=0", "trainer.log_every=1", "trainer.timing_warmup_steps=0"]
 PRECISIONS = ["fp32", "tf32", "fp16", "mp", "amp", "pseudo_fp16", "bf16", "bf16_amp"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Any:
+    """Every test here on one thread (as TINY's threads=1 does for runs); other test files get
+    their process-wide thread count back."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _cfg(out_dir: Path, *overrides: str) -> Any:
@@ -61,6 +72,17 @@ def test_paper_size_network_on_meta() -> None:
     # ends in FC 8192 -> 512 -> 1 (counted by hand: conv/FC weights + BN scales and shifts + 1 bias).
     assert sum(p.numel() for p in model.G.parameters()) == 11_962_048 + 3_974
     assert sum(p.numel() for p in model.D.parameters()) == 15_337_665 + 4_992
+
+
+def test_outer_bn_false_is_radford_dcgan() -> None:
+    """outer_bn=false drops batch norm from G's output and D's input layer (Radford et al.); those
+    two convolutions then get a bias, every other layer is unchanged."""
+    paper, radford = DCGAN(DCGANConfig(image_size=32, width=4)), DCGAN(DCGANConfig(image_size=32, width=4, outer_bn=False))
+    assert [type(m).__name__ for m in radford.G][-2:] == ["ConvTranspose2d", "Tanh"] and radford.G[-2].bias is not None
+    assert [type(m).__name__ for m in radford.D][:2] == ["Conv2d", "LeakyReLU"] and radford.D[0].bias is not None
+    assert paper.G[-3].bias is None and paper.D[0].bias is None
+    norms = lambda m: sum(isinstance(x, nn.modules.batchnorm._BatchNorm) for x in m.modules())  # noqa: E731
+    assert norms(paper) - norms(radford) == 2
 
 
 @pytest.mark.parametrize("size", [32, 64])
@@ -104,6 +126,10 @@ def test_swd_is_zero_for_identical_sets_and_grows_with_shift_and_blur() -> None:
 def test_synthetic_faces_are_deterministic_varied_and_in_range() -> None:
     a, b = _faces("train", 8), _faces("train", 8)
     assert torch.equal(a, b) and a.shape == (8, 3, 32, 32)
+    cached = SyntheticFaces(SyntheticFacesConfig(image_size=32), "train", seed=0)
+    assert cached.cache is not None and torch.equal(cached[3][0], cached[3][0]) and torch.equal(cached[3][0], a[3])
+    uncached = SyntheticFaces(SyntheticFacesConfig(image_size=128, num_train=100_000), "train", seed=0)
+    assert uncached.cache is None  # 6 GB would not be kept
     assert a.min() >= -1 and a.max() <= 1
     assert not torch.allclose(a[0], a[1]) and not torch.allclose(a, _faces("eval", 8))
 
