@@ -81,8 +81,9 @@ def collect(root: Path) -> dict[str, list[dict[str, Any]]]:
 def mean_sd(values: list[float]) -> str:
     if not values:
         return "-"
-    sd = statistics.stdev(values) if len(values) > 1 else float("nan")
-    return f"{statistics.mean(values):.1f} ± {sd:.1f} (n={len(values)})"
+    if len(values) == 1:
+        return f"{values[0]:.1f} (n=1)"
+    return f"{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f} (n={len(values)})"
 
 
 def table(root: Path, collapse_frac: float) -> None:
