@@ -46,7 +46,7 @@ from runner.errors import UserError
 from runner.gradstats import GradStats
 from runner.interrupt import GracefulInterrupt
 from runner.loader import check_plan, epoch_batches, eval_batches, shard_batches, shareable
-from runner.logs import RunLogger, write_json_atomic
+from runner.logs import RunLogger, write_json_atomic, write_run_summary
 from runner.measure import SavedActivations, StepTimer, memory_report
 from runner.optim import build_optimizer, build_scheduler
 from runner.precision import PrecisionPolicy, make_policy
@@ -232,6 +232,8 @@ class Trainer:
         self.policy = plan.policy if self.device == plan.device else make_policy(root.precision.name, self.device)
 
         self.policy.configure_backends()
+        if self.device.type == "cuda":  # jobs of one sweep share a process: each reports its own peak
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.train_set, self.eval_set = plan.train_set, plan.eval_set
         data = self.task.data_cfg
         self.batch_size = data.batch_size
@@ -399,7 +401,7 @@ class Trainer:
         return self.world.broadcast(metrics)
 
     def _evaluate(self, logger: RunLogger) -> dict[str, float]:
-        """Evaluate, log the metrics and any pictures (TensorBoard eval/<name>, <name>_step<N>.png)."""
+        """Evaluate, log the metrics and any pictures (TensorBoard eval/<model>/<name>, <name>_step<N>.png)."""
         self.model.eval()
         batches = (self.to_device(b) for b in eval_batches(self.eval_set, self.eval_batch_size, self.num_workers,
                                                            self.task.collate, self.t.eval_batches))
@@ -409,7 +411,7 @@ class Trainer:
         logger.log(self.step, "eval", result.metrics)
         for name, image in result.images.items():
             image = image.detach().float().clamp(0, 1).cpu()
-            logger.tb.add_image(f"eval/{name}", image, self.step)
+            logger.tb.add_image(logger.tag("eval", name), image, self.step)
             save_image(image, self.run_dir / f"{name}_step{self.step}.png")
         return result.metrics
 
@@ -497,8 +499,8 @@ class Trainer:
 
     def train_and_summarise(self, interrupt: GracefulInterrupt) -> dict[str, Any]:
         if self.world.is_main:
-            self.logger = RunLogger(self.run_dir, self.step, self.log_offsets["metrics"])
-            self.stats.open(self.logger.tb, self.log_offsets["stats"])
+            self.logger = RunLogger(self.run_dir, self.step, self.log_offsets["metrics"], model=self.task.name)
+            self.stats.open(self.logger.tb, self.log_offsets["stats"], model=self.task.name)
         self.model.train()
         metrics: dict[str, float] = {}
         try:
@@ -517,6 +519,7 @@ class Trainer:
             log.warning("out of memory at step %d with data.batch_size=%d", self.step + 1, self.batch_size)
         summary = self.summary(metrics, self.diverged_reason, self.wall_s())
         if self.world.is_main:
+            write_run_summary(self.run_dir, summary)  # TensorBoard HParams + Custom Scalars; before summary.json
             write_json_atomic(self.run_dir / "summary.json", summary)
         return summary
 

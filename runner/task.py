@@ -76,7 +76,7 @@ class EvalResult:
     """All evaluation values; `metrics[metric_name]` is the headline number.
 
     `images`: pictures to keep (e.g. a GAN's fixed-latent sample grid), name -> float
-    tensor [3, H, W] in [0, 1]; the engine writes each to TensorBoard as `eval/<name>`
+    tensor [3, H, W] in [0, 1]; the engine writes each to TensorBoard as `eval/<model>/<name>`
     and as `<run_dir>/<name>_step<step>.png`.
     """
 

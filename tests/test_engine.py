@@ -58,8 +58,8 @@ def test_tensorboard_has_the_same_tags_for_every_precision(tiny_cfg):
         acc.Reload()
         tags.append(set(acc.Tags()["scalars"]))
     assert tags[0] == tags[1]
-    assert {"train/loss", "train/lr", "train/samples_per_s", "train/loss_scale", "train/skipped_steps",
-            "eval/top1", "eval/top5"} <= tags[0]
+    assert {"train/resnet50/loss", "train/resnet50/lr", "train/resnet50/samples_per_s", "train/resnet50/loss_scale",
+            "train/resnet50/skipped_steps", "eval/resnet50/top1", "eval/resnet50/top5"} <= tags[0]
 
 
 def test_thread_count_is_applied_recorded_and_bit_reproducible(tiny_cfg, tmp_path):
@@ -176,7 +176,7 @@ def test_evaluation_pictures_go_to_tensorboard_and_png(tiny_cfg, monkeypatch):
     assert (run_dir / "samples_step2.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     acc = EventAccumulator(str(run_dir), size_guidance={"images": 0})
     acc.Reload()
-    assert acc.Tags()["images"] == ["eval/samples"]
+    assert acc.Tags()["images"] == ["eval/resnet50/samples"]
 
 
 def test_out_of_memory_ends_the_run_cleanly_as_oom_and_a_rerun_tries_again(tiny_cfg, monkeypatch):
