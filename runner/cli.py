@@ -173,6 +173,7 @@ class Jobs:
 
 
 def sweep_jobs(command: Command) -> Jobs:
+    """Every job of the command line, as Hydra's BasicSweeper will run them; call inside hydra_for(command)."""
     try:
         parsed = OverridesParser.create().parse_overrides(command.overrides)
     except HydraException as exc:
@@ -181,7 +182,14 @@ def sweep_jobs(command: Command) -> Jobs:
     task = [o for o in parsed if not o.is_hydra_override()]
     if not command.multirun:
         return Jobs(hydra_overrides, [[o.input_line for o in task]], set())
+    # A preset's hydra.sweeper.params (experiment=sweep_batch) sweep too: BasicSweeper puts them before
+    # the command line's overrides, so a key given in both sweeps the command line's values.
+    primary = compose_with_hydra(hydra_overrides + [o.input_line for o in task if not o.is_sweep_override()],
+                                 command.config_name)
+    params = OmegaConf.select(primary, "hydra.sweeper.params") or {}
     try:
+        task = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()]
+                                                        + [o.input_line for o in task])
         jobs = BasicSweeper.split_arguments(task, None)[0]
     except HydraException as exc:
         raise UserError(f"cannot sweep: {str(exc).splitlines()[0]}") from None
@@ -193,10 +201,10 @@ def preflight(command: Command) -> None:
     before anything is created."""
     from runner.engine import check_run, prepare_run_dir  # models, torchvision, tensorboard: only for a run
 
-    jobs = sweep_jobs(command)
     resolved: list[tuple[DictConfig, str]] = []
     owners: dict[str, int] = {}
     with hydra_for(command):
+        jobs = sweep_jobs(command)  # composes the primary config (a preset's sweeper params): needs Hydra
         for index, job in enumerate(jobs.task_overrides):
             cfg, job_dir = resolve_job(compose_with_hydra(jobs.hydra_overrides + job, command.config_name),
                                        command.multirun)

@@ -135,6 +135,8 @@ BAD_INPUT = [
     (["trainer.lr='0.1"], "cannot parse overrides"),
     (["-m", "precision=fp32,nope"], "unknown precision 'nope'"),
     (["-m", "seed=0,0"], "job 1 (seed=0) and job 2 (seed=0) would both write"),
+    # a preset's hydra.sweeper.params are jobs too: checked before any job runs
+    (["-m", "experiment=sweep_batch", 'hydra.sweeper.params.precision="fp32,bogus"'], "unknown precision 'bogus'"),
     (["-m", "trainer.log_every=5,10"], "job 1 (trainer.log_every=5) and job 2 (trainer.log_every=10) would both write"),
     (["--config-dir", "/nonexistent/configs"], "--config-dir /nonexistent/configs: no such directory"),
 ]
