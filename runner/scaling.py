@@ -181,8 +181,9 @@ class LogNormalScaler(LossScaler):
         x = torch.where(overflow, log_fmax - torch.log2(self.scale), torch.log2(grad_max.float()))
         informative = overflow | (grad_max > 0)  # an all-zero gradient says nothing about the max
         x = torch.where(informative, x, torch.zeros_like(x))
-        b1 = torch.where(informative, torch.tensor(cfg.beta1, device=self.device), torch.ones_like(x))
-        b2 = torch.where(informative, torch.tensor(cfg.beta2, device=self.device), torch.ones_like(x))
+        # Python scalars, not torch.tensor(beta, device=...): no host-to-device copy every step
+        b1 = torch.where(informative, cfg.beta1, 1.0).to(x.dtype)
+        b2 = torch.where(informative, cfg.beta2, 1.0).to(x.dtype)
         self.mean_hat.copy_(b1 * self.mean_hat + (1 - b1) * x)
         self.slow_mean_hat.copy_(b2 * self.slow_mean_hat + (1 - b2) * x)
         self.sq_hat.copy_(b2 * self.sq_hat + (1 - b2) * x * x)
