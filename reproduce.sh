@@ -26,7 +26,8 @@ numbers beside ours. Every preset pins threads=1, so a rerun gives the same numb
   --seeds N       seeds of the seeded models' FP32 and reduced-precision rows (default 3)
   --seeded LIST   the models trained with --seeds seeds (default: resnet50,biglstm); the others
                   with seed 0 only. The SSD seed study: --models ssd --seeded ssd --seeds 5
-  --jobs J        runs trained at the same time, one CPU thread each (default: the core count, at most 8)
+  --jobs J        runs trained at the same time, one CPU thread each (default: the core count, at most
+                  8; 1 on a GPU, so that runs do not share it while their speed is measured)
   --out DIR       output root (default outputs/reproduce)
   -h, --help      this text
 EOF
@@ -55,16 +56,20 @@ MODELS=("${ALL_MODELS[@]}")
 SEEDED=(resnet50 biglstm)
 SEEDS=3
 JOBS=$(( $(nproc) < 8 ? $(nproc) : 8 ))
+JOBS_GIVEN=0
 OUT=outputs/reproduce
 
 parse_options() {
   while (($#)); do
+    if [[ $1 == --* && $1 != --help && $# -lt 2 ]]; then
+      echo "reproduce.sh: error: $1 needs a value; see ./reproduce.sh --help" >&2; exit 2
+    fi
     case $1 in
-      --models) IFS=, read -r -a MODELS <<< "${2:?--models needs a list}"; shift 2 ;;
-      --seeds) SEEDS=${2:?--seeds needs a number}; shift 2 ;;
-      --seeded) IFS=, read -r -a SEEDED <<< "${2:?--seeded needs a list}"; shift 2 ;;
-      --jobs) JOBS=${2:?--jobs needs a number}; shift 2 ;;
-      --out) OUT=${2:?--out needs a directory}; shift 2 ;;
+      --models) IFS=, read -r -a MODELS <<< "$2"; shift 2 ;;
+      --seeds) SEEDS=$2; shift 2 ;;
+      --seeded) IFS=, read -r -a SEEDED <<< "$2"; shift 2 ;;
+      --jobs) JOBS=$2; JOBS_GIVEN=1; shift 2 ;;
+      --out) OUT=$2; shift 2 ;;
       -h|--help) usage; exit 0 ;;
       *) echo "reproduce.sh: error: unknown option $1; see ./reproduce.sh --help" >&2; exit 2 ;;
     esac
@@ -130,6 +135,7 @@ run_job() {
   date +%s > "$OUT/logs/$label.started"
   local status=0
   "$VENV/bin/mpt-run" "$@" "out_root=$OUT" > "$log" 2>&1 || status=$?
+  touch "$OUT/logs/$label.ended"
   rm -f "$OUT/logs/$label.started"
   if ((status)); then
     echo "   FAILED $label (exit $status): see $log" >&2
@@ -140,20 +146,18 @@ run_job() {
 
 # Every 30 s: the runs in progress, their last logged step and an estimate of their time left.
 progress() {
-  local total=$1 started=$2 f label now step total_steps elapsed eta
+  local total=$1 started=$2 f label now step total_steps t0 elapsed eta
   while sleep 30; do
     now=$(date +%s)
-    local done_count
-    done_count=$(find "$OUT/logs" -name '*.log' | wc -l)
-    done_count=$((done_count - $(find "$OUT/logs" -name '*.started' | wc -l)))
-    echo "-- $(( (now - started) / 60 ))m$(( (now - started) % 60 ))s: $done_count/$total runs finished"
+    echo "-- $(( (now - started) / 60 ))m$(( (now - started) % 60 ))s:" \
+         "$(find "$OUT/logs" -name '*.ended' | wc -l)/$total runs ended"
     for f in "$OUT"/logs/*.started; do
-      [[ -e $f ]] || continue
+      t0=$(cat "$f" 2>/dev/null) || continue  # the run may end between the listing and here
       label=$(basename "$f" .started)
       step='' total_steps=''
       read -r step total_steps < <(grep -o 'step [0-9]*/[0-9]*' "$OUT/logs/$label.log" 2>/dev/null | tail -n 1 |
                                     tr '/' ' ' | cut -d' ' -f2-) || true
-      elapsed=$((now - $(cat "$f")))
+      elapsed=$((now - t0))
       if [[ -n ${step:-} && ${step:-0} -gt 0 ]]; then
         eta=$(( elapsed * (total_steps - step) / step ))
         echo "   $label: step $step/$total_steps, ${elapsed}s so far, about ${eta}s to go (plus evaluation)"
@@ -164,15 +168,34 @@ progress() {
   done
 }
 
-run_dir_of() {  # the run directory of <model>/<precision dir>, seed 0
-  dirname "$(find "$OUT/$1" -path '*seed0/summary.json' | sort | head -n 1)"
+run_dir_of() {  # the run directory of <model>/<precision dir>, seed 0; fails when it has not finished
+  local f
+  f=$(find "$OUT/$1" -path '*seed0/summary.json' 2>/dev/null | sort | head -n 1)
+  [[ -n $f ]] && dirname "$f"
+}
+
+# figures <mpt-figures args...> where run directories are given as <model>/<precision dir>: a run
+# that failed costs its figure, not the report
+figures() {
+  local args=() a d
+  for a in "$@"; do
+    if [[ $a == */* && $a != --* && -d $OUT/${a%%/*} ]]; then
+      d=$(run_dir_of "$a") || { echo "   no figure: $a has no finished seed-0 run" >&2; return 0; }
+      args+=("$d")
+    else
+      args+=("$a")
+    fi
+  done
+  "$VENV/bin/mpt-figures" "${args[@]}" || echo "   mpt-figures ${args[*]} failed" >&2
 }
 
 quick_reproduction() {
   local low=mp
   "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' || low=pseudo_fp16
+  # a GPU runs one job at a time unless asked: jobs sharing it would distort each other's speed
+  if [[ $low == mp && $JOBS_GIVEN == 0 ]]; then JOBS=1; fi
   mkdir -p "$OUT/logs"
-  rm -f "$OUT"/logs/*.started
+  rm -f "$OUT"/logs/*.started "$OUT"/logs/*.ended
   local jobs total started monitor status=0
   jobs=$(job_list "$low")
   total=$(wc -l <<< "$jobs")
@@ -180,6 +203,7 @@ quick_reproduction() {
   echo "== $total runs, $JOBS at a time (logs: $OUT/logs/); finished runs are reported, not retrained"
   progress "$total" "$started" &
   monitor=$!
+  trap 'kill "$monitor" 2>/dev/null || true' EXIT
   export -f run_job
   export OUT VENV
   # xargs runs the job lines JOBS at a time and exits non-zero when any of them failed
@@ -188,21 +212,18 @@ quick_reproduction() {
   wait "$monitor" 2>/dev/null || true
   echo "== all runs ended in $(( ($(date +%s) - started) / 60 ))m$(( ($(date +%s) - started) % 60 ))s"
 
-  local figures=$OUT/figures
-  mkdir -p "$figures"
-  if wanted resnet50; then "$VENV/bin/mpt-figures" "$(run_dir_of resnet50/pseudo_fp16-8)" --out "$figures/resnet50"; fi
+  local fig=$OUT/figures
+  mkdir -p "$fig"
+  if wanted resnet50; then figures resnet50/pseudo_fp16-8 --out "$fig/resnet50"; fi
   if wanted biglstm; then
-    "$VENV/bin/mpt-figures" "$(run_dir_of "biglstm/$low-128")" --out "$figures/biglstm-scale128"
-    "$VENV/bin/mpt-figures" "$(run_dir_of "biglstm/$low")" --out "$figures/biglstm-noscale"
+    figures "biglstm/$low-128" --out "$fig/biglstm-scale128"
+    figures "biglstm/$low" --out "$fig/biglstm-noscale"
   fi
-  if wanted dcgan; then
-    "$VENV/bin/mpt-figures" --compare "$(run_dir_of dcgan/fp32)" "$(run_dir_of "dcgan/$low")" \
-      --out "$figures/dcgan_compare.png"
-  fi
-  if wanted deepspeech; then "$VENV/bin/mpt-figures" "$(run_dir_of "deepspeech/$low")" --out "$figures/deepspeech"; fi
+  if wanted dcgan; then figures --compare dcgan/fp32 "dcgan/$low" --out "$fig/dcgan_compare.png"; fi
+  if wanted deepspeech; then figures "deepspeech/$low" --out "$fig/deepspeech"; fi
   echo "== FP32 vs reduced precision, with the paper's numbers ($OUT/report.md)"
-  "$VENV/bin/mpt-report" "$OUT" --paper --out "$OUT/report.md"
-  echo "Outputs: $OUT (figures: $figures; tensorboard --logdir $OUT)"
+  "$VENV/bin/mpt-report" "$OUT" --paper --out "$OUT/report.md" || status=$?
+  echo "Outputs: $OUT (figures: $fig; tensorboard --logdir $OUT)"
   return "$status"
 }
 
