@@ -525,7 +525,7 @@ class Trainer:
 
     def train_loop(self, interrupt: GracefulInterrupt) -> None:
         stream = shard_batches(self.train_set, self.epoch_plan, self.num_workers, self.task.collate,
-                               self.root.seed, self.step, self.task.reset_state, self.world.shard)
+                               self.root.seed, self.step, self.task.reset_state, self.world.shard, self.world.rank)
         largest = -1 if self.measured_on is None else self.measured_on["count"]
         self._last_checkpoint = time.monotonic()
         while self.step < self.total_steps and self.diverged_reason is None:

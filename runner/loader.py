@@ -17,6 +17,9 @@ from runner.errors import UserError
 EpochPlan = Callable[[torch.Generator], list[list[int]]]  # generator -> one epoch's batches
 
 
+RANK_SEED_STRIDE = 1_000_003  # a prime: ranks' worker seeds never meet another seed's at nearby epochs
+
+
 def epoch_generator(seed: int, epoch: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 7919 + epoch)
 
@@ -54,10 +57,12 @@ def train_batches(dataset: Dataset, plan: EpochPlan, num_workers: int, collate: 
 
 def shard_batches(dataset: Dataset, plan: EpochPlan, num_workers: int, collate: Callable[[list], Any],
                   seed: int, start_step: int, on_epoch_start: Callable[[], None],
-                  shard: Callable[[list[int]], list[int]] = lambda b: b) -> Iterator[tuple[Any, float]]:
+                  shard: Callable[[list[int]], list[int]] = lambda b: b,
+                  rank: int = 0) -> Iterator[tuple[Any, float]]:
     """train_batches for one process of a data-parallel run: (its share of each global batch,
     that share's fraction of the global batch). Every process walks the same plan; `shard`
-    picks its items (runner.distributed.World.shard)."""
+    picks its items (runner.distributed.World.shard). Data-loader workers of rank `rank` get
+    their own seeds (rank 0: the single-process ones), so augmentation differs between ranks."""
     epoch, offset = 0, start_step
     batches = epoch_batches(plan, seed, epoch)
     while offset >= len(batches):  # epochs may differ in length (bucketing): walk them
@@ -69,10 +74,11 @@ def shard_batches(dataset: Dataset, plan: EpochPlan, num_workers: int, collate: 
             on_epoch_start()
         local = [shard(b) for b in batches[offset:]]  # never empty: see shareable()
         fractions = [len(mine) / len(b) for mine, b in zip(local, batches[offset:])]
-        # Own generator: worker seeds come from (seed, epoch), and the global RNG (which the
+        # Own generator: worker seeds come from (seed, epoch, rank), and the global RNG (which the
         # checkpoint restores for augmentation in the main process) is not drawn from.
+        workers = epoch_generator(seed + RANK_SEED_STRIDE * rank, epoch)
         yield from zip(DataLoader(dataset, batch_sampler=local, num_workers=num_workers, collate_fn=collate,
-                                  generator=epoch_generator(seed, epoch)), fractions)
+                                  generator=workers), fractions)
         epoch, offset = epoch + 1, 0
         batches = epoch_batches(plan, seed, epoch)
 

@@ -26,6 +26,7 @@ step has a single code path for all modes (no AMP / non-AMP branches):
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass
 from typing import Any, ContextManager, Iterable, Iterator, Sequence
 
@@ -261,6 +262,22 @@ class AMP(PrecisionPolicy):
         super().__init__(device)
         if device.type == "cpu":
             self.notes.append(f"CPU autocast to {self.autocast_dtype} (oneDNN kernels; no tensor cores)")
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """torch.autocast; on a CPU whose oneDNN build has no low-precision kernel for one of the
+        model's operations (LSTM on many CPUs), a one-line error naming the modes that work."""
+        try:
+            with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+                yield
+        except RuntimeError as exc:
+            if self.device.type == "cpu" and "could not create a primitive descriptor" in str(exc):
+                op = re.search(r"for the (\w+)", str(exc))
+                dtype = str(self.autocast_dtype).removeprefix("torch.")
+                raise UserError(f"precision={self.name}: this CPU's oneDNN has no {dtype} kernel for this model's "
+                                f"{op.group(1) if op else 'operations'}; use precision=pseudo_fp16, mp or bf16 here, "
+                                f"or a GPU") from None
+            raise
 
 
 class BF16AMP(AMP):

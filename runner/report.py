@@ -182,7 +182,8 @@ def group_runs(summaries: Iterable[dict[str, Any]],
 
 def seed_setting(s: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     """What must be equal for runs to be seeds of one configuration (besides precision and scale)."""
-    return {**{k: v for k, v in config.items() if _setting_key(k)}, "device": device_class(s)}
+    return {**{k: v for k, v in config.items() if _setting_key(k)}, "device": device_class(s),
+            "world_size": s.get("world_size", 1)}  # 1 GPU and 4 GPUs are different speeds, not seeds
 
 
 @dataclass
@@ -530,7 +531,7 @@ def sweep_setting(s: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     keep = {k: v for k, v in config.items()
             if k != "data.batch_size" and not _row_key(k, s.get("scale"))
             and (k in SPEED_KEYS or not (k.startswith(SPEED_NEUTRAL_PREFIXES) or _replicate(k)))}
-    return {**keep, "device": device_class(s)}
+    return {**keep, "device": device_class(s), "world_size": s.get("world_size", 1)}
 
 
 def batch_rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:

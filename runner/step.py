@@ -131,9 +131,11 @@ class TrainStep:
             found_inf = slot.scaler.unscale_(grads)
             self.stats.weight_grads(bound)
             if slot.scaler.needs_grad_max:
-                # One collective for the flag and max|grad|: a rank-local inf (e.g. in a master copy)
-                # still skips every rank, and the lognormal scaler reads the same value everywhere.
-                found_inf, grad_max = self.world.all_max(torch.stack([found_inf, grad_abs_max(grads)]))
+                grad_max = grad_abs_max(grads).to(found_inf.device)  # an optimizer without grads: a CPU 0
+                if self.world.active:
+                    # One collective for the flag and max|grad|: a rank-local inf still skips every
+                    # rank, and the lognormal scaler reads the same value everywhere.
+                    found_inf, grad_max = self.world.all_max(torch.stack([found_inf, grad_max]))
                 slot.grad_max = _running_max(slot.grad_max, grad_max)
             else:
                 found_inf = self.world.all_max(found_inf)

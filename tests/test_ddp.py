@@ -349,3 +349,25 @@ def test_bad_input_on_a_rank_exits_2_with_one_line(tmp_path: Path) -> None:
 def test_rank_0s_refusal_reaches_every_rank(ranks) -> None:
     """Rank 0 alone inspects the run directory (under its lock); its UserError is every rank's."""
     assert ranks[0]["refused"] == ranks[1]["refused"] and "differ from this command" in ranks[0]["refused"]
+
+
+class _RandomItems(torch.utils.data.Dataset):
+    """Each item is a draw from the worker's RNG: what random augmentation sees."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.rand(())
+
+
+def test_data_loader_workers_of_each_rank_draw_their_own_augmentation() -> None:
+    from runner.loader import shard_batches
+
+    def first_batch(rank: int) -> torch.Tensor:
+        stream = shard_batches(_RandomItems(), lambda g: [list(range(4))], 1, torch.stack, 0, 0, lambda: None,
+                               rank=rank)
+        return next(stream)[0]
+
+    assert torch.equal(first_batch(0), first_batch(0))        # reproducible
+    assert not torch.equal(first_batch(0), first_batch(1))    # ranks' workers are seeded apart

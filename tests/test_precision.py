@@ -1,9 +1,11 @@
 """Precision policies: hand-derived FP16 facts from the paper, checked through the real code."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
+from runner.errors import UserError
 from runner.precision import make_policy
 from runner.scaling import ScalerConfig, make_scaler
 
@@ -117,3 +119,15 @@ def test_tf32_flag_is_explicit():
     assert torch.backends.cuda.matmul.allow_tf32
     make_policy("fp32", CPU).configure_backends()
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+
+
+def test_a_missing_cpu_autocast_kernel_is_one_line_naming_modes_that_work():
+    policy = make_policy("bf16_amp", torch.device("cpu"))
+    with pytest.raises(UserError, match=r"^precision=bf16_amp: this CPU's oneDNN has no bfloat16 kernel for this "
+                                        r"model's LSTM; use precision=pseudo_fp16, mp or bf16 here, or a GPU$"):
+        with policy.autocast():  # what oneDNN raises where it has no such LSTM primitive
+            raise RuntimeError("could not create a primitive descriptor for the LSTM forward propagation primitive. "
+                               "Run workload with environment variable ONEDNN_VERBOSE=all")
+    with pytest.raises(RuntimeError, match="something else"):  # any other error stays a bug with its traceback
+        with policy.autocast():
+            raise RuntimeError("something else")

@@ -170,6 +170,12 @@ def test_groups_split_on_result_changing_settings_not_on_threads() -> None:
     assert sorted(r["metric_mean"] for r in batches) == [1.5, 5.5]
 
 
+def test_runs_on_different_numbers_of_processes_are_not_seeds_of_one_row() -> None:
+    runs = seeds("fp32", [1, 2]) + [summary("fp32", 9.0, seed=s, world_size=4) for s in (0, 1)]
+    rows = json.loads(render(runs, "json"))["rows"]
+    assert sorted((r["setting"]["world_size"], r["metric_mean"]) for r in rows) == [(1, 1.5), (4, 9.0)]
+
+
 def test_scales_are_separate_rows() -> None:
     rows = json_rows(seeds("fp32", [1, 2]) + seeds("mp", [1, 2]) + seeds("mp", [3, 4], scale="8"))
     assert rows["mp-none"]["metric_mean"] == 1.5 and rows["mp-8"]["metric_mean"] == 3.5

@@ -26,6 +26,7 @@ from runner.engine import Trainer
 from runner.errors import UserError
 from runner.loader import epoch_batches
 from runner.task import decay_groups
+from tests.conftest import skip_if_cpu_lacks_kernel
 from tests.toy_tasks import (ToyCTC, ToyGAN, ToyLMModelConfig, ToyLMNet, ToyPackedLM, ToyStreamLM, gan_pattern,
                               pattern_corr)
 
@@ -210,7 +211,8 @@ def test_gan_checkpoint_holds_both_optimizers_and_resume_is_bit_identical(toy) -
 # ======================================================================================
 @pytest.mark.parametrize("precision,scale", COMBOS, ids=COMBO_IDS)
 def test_packed_lm_trains(toy, precision: str, scale: str) -> None:
-    trainer, summary, recs = run(toy("toy_lm", "run", f"precision={precision}", f"scale={scale}"))
+    with skip_if_cpu_lacks_kernel():  # LSTM under CPU autocast: see conftest
+        trainer, summary, recs = run(toy("toy_lm", "run", f"precision={precision}", f"scale={scale}"))
     assert not summary["diverged"] and summary["steps"] == 12
     assert loss_ratio(recs) < 0.5, [r["loss"] for r in recs]   # 3.47 (ln 32) -> below half
     assert trainer.task.loss_dtypes == {torch.float32}
@@ -304,7 +306,8 @@ def test_gradient_stats_and_auto_scale_with_packed_sequences(toy, precision: str
 # ======================================================================================
 @pytest.mark.parametrize("precision,scale", COMBOS, ids=COMBO_IDS)
 def test_stream_lm_trains(toy, precision: str, scale: str) -> None:
-    trainer, summary, recs = run(toy("toy_stream_lm", "run", f"precision={precision}", f"scale={scale}"))
+    with skip_if_cpu_lacks_kernel():  # LSTM under CPU autocast: see conftest
+        trainer, summary, recs = run(toy("toy_stream_lm", "run", f"precision={precision}", f"scale={scale}"))
     assert not summary["diverged"] and summary["steps"] == 12
     assert loss_ratio(recs) < 0.5, [r["loss"] for r in recs]
     assert trainer.task.loss_dtypes == {torch.float32}
