@@ -107,8 +107,8 @@ job_list() {
   fi
   if wanted biglstm; then
     row biglstm fp32 experiment=quick_biglstm precision=fp32
-    row biglstm "$low-128" experiment=quick_biglstm precision="$low" scale=128 stats.enabled=true
-    row biglstm "$low-none" experiment=quick_biglstm precision="$low" scale=none stats.enabled=true
+    row biglstm "$low-128" experiment=quick_biglstm precision="$low" scale=128 stats.enabled=true stats.every=250
+    row biglstm "$low-none" experiment=quick_biglstm precision="$low" scale=none stats.enabled=true stats.every=250
   fi
   if wanted resnet50; then
     row resnet50 fp32 experiment=quick_resnet50 precision=fp32
