@@ -12,6 +12,7 @@ patterns determine the transcript. Item i of a split comes from a generator seed
 from __future__ import annotations
 
 import math
+from typing import Union
 from dataclasses import dataclass, field
 
 import torch
@@ -64,30 +65,51 @@ def _uniform(g: torch.Generator, low_high: list[float]) -> float:
     return low_high[0] + (low_high[1] - low_high[0]) * float(torch.rand((), generator=g))
 
 
-def _letter(char: str, g: torch.Generator, cfg: SyntheticSpeechConfig) -> Tensor:
-    """One letter: its two-tone chord with random length, loudness and +-2% pitch, faded in and out."""
-    index = LETTERS.index(char)
+# One piece of an utterance: a silence (its length in samples) or a letter (char, length, pitch
+# jitter, loudness). All random choices are drawn into pieces first, so that an utterance's length
+# is known without synthesising it (length bucketing needs every duration up front).
+Piece = Union[int, tuple[str, int, Tensor, float]]
+
+
+def _silence(low_high: list[float], g: torch.Generator, cfg: SyntheticSpeechConfig) -> int:
+    return round(_uniform(g, low_high) * cfg.sample_rate / 1000)
+
+
+def _letter(char: str, g: torch.Generator, cfg: SyntheticSpeechConfig) -> Piece:
+    """One letter's choices: random length, +-2% pitch and loudness."""
     n = round(_uniform(g, cfg.letter_ms) * cfg.sample_rate / 1000)
-    t = torch.arange(n) / cfg.sample_rate
     jitter = 1 + 0.02 * (2 * torch.rand(2, generator=g) - 1)
-    low, high = LOW_HZ[index % len(LOW_HZ)] * jitter[0], HIGH_HZ[index // len(LOW_HZ)] * jitter[1]
-    chord = torch.sin(2 * math.pi * low * t) + torch.sin(2 * math.pi * high * t)
-    return _uniform(g, [0.2, 0.5]) * chord * torch.hann_window(n, periodic=False)
+    return char, n, jitter, _uniform(g, [0.2, 0.5])
 
 
-def _silence(low_high: list[float], g: torch.Generator, cfg: SyntheticSpeechConfig) -> Tensor:
-    return torch.zeros(round(_uniform(g, low_high) * cfg.sample_rate / 1000))
-
-
-def render(text: str, g: torch.Generator, cfg: SyntheticSpeechConfig) -> Tensor:
-    """The waveform of `text` (lower-case words separated by single spaces), with noise."""
-    pieces = [_silence(cfg.gap_ms, g, cfg)]
+def pieces(text: str, g: torch.Generator, cfg: SyntheticSpeechConfig) -> list[Piece]:
+    """The random choices of `text` (lower-case words separated by single spaces), drawn in order."""
+    out: list[Piece] = [_silence(cfg.gap_ms, g, cfg)]
     for char in text:
         if char == " ":
-            pieces.append(_silence(cfg.space_ms, g, cfg))
+            out.append(_silence(cfg.space_ms, g, cfg))
         else:
-            pieces += [_letter(char, g, cfg), _silence(cfg.gap_ms, g, cfg)]
-    wave = torch.cat(pieces)
+            out += [_letter(char, g, cfg), _silence(cfg.gap_ms, g, cfg)]
+    return out
+
+
+def num_samples(plan: list[Piece]) -> int:
+    return sum(p if isinstance(p, int) else p[1] for p in plan)
+
+
+def _tone(piece: tuple[str, int, Tensor, float], cfg: SyntheticSpeechConfig) -> Tensor:
+    """A letter: its two-tone chord, faded in and out."""
+    char, n, jitter, loudness = piece
+    index = LETTERS.index(char)
+    t = torch.arange(n) / cfg.sample_rate
+    low, high = LOW_HZ[index % len(LOW_HZ)] * jitter[0], HIGH_HZ[index // len(LOW_HZ)] * jitter[1]
+    chord = torch.sin(2 * math.pi * low * t) + torch.sin(2 * math.pi * high * t)
+    return loudness * chord * torch.hann_window(n, periodic=False)
+
+
+def render(plan: list[Piece], g: torch.Generator, cfg: SyntheticSpeechConfig) -> Tensor:
+    """The waveform of an utterance's pieces, with noise (drawn from `g` after the pieces)."""
+    wave = torch.cat([torch.zeros(p) if isinstance(p, int) else _tone(p, cfg) for p in plan])
     noise_power = wave.square().mean() / 10 ** (_uniform(g, cfg.snr_db) / 10)
     return wave + noise_power.sqrt() * torch.randn(wave.shape, generator=g)
 
@@ -98,23 +120,22 @@ class SyntheticSpeech(Dataset):
     def __init__(self, cfg: SyntheticSpeechConfig, split: str, seed: int) -> None:
         self.cfg, self.split, self.seed = cfg, split, seed
         self.length = cfg.num_train if split == "train" else cfg.num_eval
-        # Durations for length bucketing, known without rendering: one pass of the generators
-        # that __getitem__ replays (cheap next to the STFT, which is skipped here).
-        self.durations = [self._wave(i)[1].numel() / cfg.sample_rate for i in range(self.length)]
+        # Durations for length bucketing, known without synthesising: the random choices only.
+        self.durations = [num_samples(self._plan(i)[1]) / cfg.sample_rate for i in range(self.length)]
 
     def __len__(self) -> int:
         return self.length
 
-    def _wave(self, index: int) -> tuple[str, Tensor]:
+    def _plan(self, index: int) -> tuple[str, list[Piece], torch.Generator]:
         g = item_generator(self.seed, self.split, index)
         cfg = self.cfg
         count = int(torch.randint(cfg.min_words, cfg.max_words + 1, (), generator=g))
         words = [cfg.lexicon[int(i)] for i in torch.randint(len(cfg.lexicon), (count,), generator=g)]
         text = " ".join(words)
-        return text, render(text, g, cfg)
+        return text, pieces(text, g, cfg), g
 
     def __getitem__(self, index: int) -> Utterance:
         if not 0 <= index < self.length:
             raise IndexError(index)
-        text, wave = self._wave(index)
-        return utterance(wave, text, self.cfg, self.split == "train", "data.lexicon")
+        text, plan, g = self._plan(index)
+        return utterance(render(plan, g, self.cfg), text, self.cfg, self.split == "train", "data.lexicon")

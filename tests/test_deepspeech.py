@@ -112,7 +112,10 @@ def test_padding_changes_neither_the_loss_nor_the_gradients_in_training() -> Non
     padded_loss, padded_grads = loss_and_grads(_pad(batch, 17))
     torch.testing.assert_close(padded_loss, loss)
     for g, pg in zip(grads, padded_grads):
-        torch.testing.assert_close(pg, g, rtol=1e-4, atol=1e-6)
+        # Padding changes the order of FP32 sums (masked batch norm, packed GRU), so elements agree
+        # to rounding relative to the tensor's scale; padding that leaked into the statistics or the
+        # recurrent state would move them by the order of the gradient itself.
+        torch.testing.assert_close(pg, g, rtol=1e-4, atol=1e-4 * float(g.abs().max()))
 
 
 def test_an_utterance_gives_the_same_outputs_alone_and_in_a_padded_batch() -> None:
