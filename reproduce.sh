@@ -195,20 +195,20 @@ quick_reproduction() {
   if [[ $low == mp && $JOBS_GIVEN == 0 ]]; then JOBS=1; fi
   mkdir -p "$OUT/logs"
   rm -f "$OUT"/logs/*.started "$OUT"/logs/*.ended
-  local jobs total started monitor status=0
+  local jobs total started status=0
   jobs=$(job_list "$low")
   total=$(wc -l <<< "$jobs")
   started=$(date +%s)
   echo "== $total runs, $JOBS at a time (logs: $OUT/logs/); finished runs are reported, not retrained"
   progress "$total" "$started" &
-  monitor=$!
-  trap 'kill "$monitor" 2>/dev/null || true' EXIT
+  MONITOR=$!  # global: the EXIT trap runs outside this function
+  trap 'kill "$MONITOR" 2>/dev/null || true' EXIT
   export -f run_job
   export OUT VENV
   # xargs runs the job lines JOBS at a time and exits non-zero when any of them failed
   xargs -P "$JOBS" -L 1 bash -c 'run_job "$@"' _ <<< "$jobs" || status=$?
-  kill "$monitor" 2>/dev/null || true
-  wait "$monitor" 2>/dev/null || true
+  kill "$MONITOR" 2>/dev/null || true
+  wait "$MONITOR" 2>/dev/null || true
   echo "== all runs ended in $(( ($(date +%s) - started) / 60 ))m$(( ($(date +%s) - started) % 60 ))s"
 
   local fig=$OUT/figures
