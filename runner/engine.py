@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import os
+import platform
 import random
 import time
 from dataclasses import dataclass, field
@@ -72,6 +73,17 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({os.cpu_count()} logical cores, {torch.get_num_threads()} threads)"
+
+
+def machine_name() -> str:
+    """The host and its CPU model: reruns of one seed on two machines tell run-to-run spread apart."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:  # not Linux
+        pass
+    return f"{platform.node()} ({cpu})"
 
 
 def seed_everything(seed: int, deterministic: bool, threads: int | None) -> None:
@@ -594,6 +606,7 @@ class Trainer:
             "scale_final": float(slots[0].scaler.scale),
             "device": self.device.type,
             "device_name": device_name(self.device),
+            "machine": machine_name(),
             "torch_version": torch.__version__,
             "threads": torch.get_num_threads(),  # CPU intra-op threads: they change reduction order
             "precision_details": self.policy.describe(),

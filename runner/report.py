@@ -47,7 +47,10 @@ VERDICT_RULE = ("verdict: the 95% Welch t interval of the difference to fp32 (+ 
                 "seeds on either side → too few seeds; every run diverged → all diverged. Diverged runs are "
                 "counted (diverged k/n), never averaged; throughput, memory and skipped steps are means. "
                 "(wide CI): the interval also reaches beyond ±{margin}, so a difference that large is not ruled "
-                "out; more seeds narrow it.")
+                "out; more seeds narrow it. n counts seeds: reruns of one seed with another thread count, "
+                "deterministic kernels or machine are averaged into that seed's value, and their pooled "
+                "standard deviation is the run-to-run column (summation order alone, apart from the seed "
+                "spread).")
 
 
 # --- reading --------------------------------------------------------------------------------
@@ -136,8 +139,29 @@ class Group:
         return [r for r in self.runs if not r.get("diverged") and not r.get("oom") and _finite(r.get("metric"))]
 
     @property
+    def by_seed(self) -> dict[Any, list[float]]:
+        """Each seed's finished metrics: more than one when it was rerun with another thread count,
+        deterministic kernels or on another machine (run-to-run replicates, not new seeds)."""
+        out: dict[Any, list[float]] = {}
+        for r in self.finished:
+            out.setdefault(_hashable(result_config(r).get("seed")), []).append(float(r["metric"]))
+        return out
+
+    @property
     def values(self) -> list[float]:
-        return [float(r["metric"]) for r in self.finished]
+        """One value per seed (its replicates' mean): seed statistics count seeds, not reruns."""
+        return [mean(v) for v in self.by_seed.values()]
+
+    @property
+    def run_to_run(self) -> tuple[float | None, int]:
+        """The pooled standard deviation between runs of one seed, and how many seeds have reruns:
+        the spread from summation order (threads, machines) alone, kept apart from the seed spread."""
+        replicated = [v for v in self.by_seed.values() if len(v) > 1]
+        dof = sum(len(v) - 1 for v in replicated)
+        if not dof:
+            return None, 0
+        squares = sum((x - mean(v)) ** 2 for v in replicated for x in v)
+        return math.sqrt(squares / dof), len(replicated)
 
     @property
     def diverged(self) -> list[dict[str, Any]]:
@@ -366,6 +390,7 @@ def seed_rows(table: Table, margin: tuple[float, bool], paper: dict[str, Any] | 
     for g in table.groups:
         c = compare(g, base, margin)
         values = g.values
+        run_to_run_sd, replicated_seeds = g.run_to_run
         speed = _means(g.measured, lambda r: r.get("samples_per_s"))
         act = _means(g.measured, lambda r: (r.get("memory") or {}).get("activation_bytes"))
         row: dict[str, Any] = {
@@ -373,9 +398,10 @@ def seed_rows(table: Table, margin: tuple[float, bool], paper: dict[str, Any] | 
             "row_settings": {k: json.loads(v) for k, v in g.row if k in extra_keys},
             "metric_name": g.first.get("metric_name"), "higher_is_better": g.first.get("higher_is_better", True),
             "runs": len(g.runs), "n": len(values),
-            "seeds": sorted(result_config(r).get("seed") for r in g.finished),
+            "seeds": sorted(json.loads(seed) for seed in g.by_seed),
             "metric_mean": mean(values) if values else None, "metric_sd": sample_sd(values),
-            "metric_values": values,
+            "metric_values": values, "run_to_run_sd": run_to_run_sd, "replicated_seeds": replicated_seeds,
+            "machines": sorted({str(r["machine"]) for r in g.runs if r.get("machine")}),
             "delta": c.delta, "ci_low": c.low, "ci_high": c.high, "df": c.df, "margin": c.margin,
             "verdict": c.verdict, "equivalent": c.equivalent,
             "diverged": len(g.diverged), "diverged_reasons": [r.get("diverged_reason") for r in g.diverged],
@@ -463,6 +489,12 @@ def verdict_cell(row: dict[str, Any]) -> str:
     return row["verdict"] + (" (wide CI)" if row["verdict"] == "matches fp32" and row["equivalent"] is False else "")
 
 
+def run_to_run_cell(row: dict[str, Any]) -> str:
+    if row["run_to_run_sd"] is None:
+        return "–"
+    return f"{row['run_to_run_sd']:.2f} ({row['replicated_seeds']} seed{'s' if row['replicated_seeds'] > 1 else ''})"
+
+
 def ci_cell(row: dict[str, Any]) -> str:
     return "–" if row["ci_low"] is None else f"[{row['ci_low']:+.2f}, {row['ci_high']:+.2f}]"
 
@@ -473,6 +505,9 @@ def seed_markdown(table: Table, rows: list[dict[str, Any]], title: str, paper_no
     columns = ["precision", "scale", "n", f"{metric} (mean ± sd)" if several else metric, "Δ vs fp32 (+ better)",
                "95% CI of Δ", "verdict", "diverged", "throughput", "speed-up", "peak mem", "act. mem vs fp32",
                "skipped"]
+    with_reruns = any(r["replicated_seeds"] for r in rows)
+    if with_reruns:
+        columns.insert(4, "run-to-run sd (reruns of a seed)")
     with_paper = any("paper" in r for r in rows)
     if with_paper:
         columns.append("paper")
@@ -482,6 +517,8 @@ def seed_markdown(table: Table, rows: list[dict[str, Any]], title: str, paper_no
                  verdict_cell(r), diverged_cell(r), _speed(r['samples_per_s'], r['count_unit']),
                  _num(r["speedup"], ".2f") + ("x" if r["speedup"] else ""), _mib(r["peak_bytes"]),
                  _num(r["activation_vs_fp32"], ".2f"), _count(r["skipped_steps"])]
+        if with_reruns:
+            cells.insert(4, run_to_run_cell(r))
         if with_paper:
             cells.append(r.get("paper") or "–")
         out.append("| " + " | ".join(cells) + " |")

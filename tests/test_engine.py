@@ -11,7 +11,7 @@ from runner.engine import Trainer, train
 
 SUMMARY_KEYS = {"model", "precision", "scale", "device", "device_name", "torch_version", "steps", "samples",
                 "metric_name", "metric", "metrics", "samples_per_s", "step_time_ms_p50", "step_time_ms_p90",
-                "memory", "skipped_steps", "diverged", "wall_s", "oom", "world_size"}
+                "memory", "skipped_steps", "diverged", "wall_s", "oom", "world_size", "machine"}
 MEMORY_KEYS = {"peak_allocated_bytes", "peak_reserved_bytes", "peak_rss_bytes", "param_bytes", "grad_bytes",
                "optimizer_state_bytes", "master_weight_bytes", "activation_bytes"}
 

@@ -170,6 +170,25 @@ def test_groups_split_on_result_changing_settings_not_on_threads() -> None:
     assert sorted(r["metric_mean"] for r in batches) == [1.5, 5.5]
 
 
+def test_reruns_of_a_seed_are_one_seed_and_their_spread_is_run_to_run() -> None:
+    """Seed 0 trained with 1 and 2 threads (and seed 1 on another machine) is two seeds, not four runs
+    of four seeds: the seed statistics use each seed's mean, the reruns give the run-to-run sd."""
+    mp = [summary("mp", 10.0, seed=0), summary("mp", 12.0, seed=0, config={"threads": 2}),
+          summary("mp", 20.0, seed=1, machine="a (cpu)"), summary("mp", 23.0, seed=1, machine="b (cpu)")]
+    rows = json_rows(seeds("fp32", [15.0, 17.0]) + mp)
+    row = rows["mp-none"]
+    assert row["n"] == 2 and row["runs"] == 4 and row["seeds"] == [0, 1]
+    assert row["metric_values"] == [11.0, 21.5] and row["metric_mean"] == 16.25
+    # pooled within-seed sd: ((10-11)^2 + (12-11)^2 + (20-21.5)^2 + (23-21.5)^2) / (1 + 1) = 3.25
+    assert row["run_to_run_sd"] == pytest.approx(math.sqrt(3.25)) and row["replicated_seeds"] == 2
+    assert row["machines"] == ["a (cpu)", "b (cpu)"]
+    assert rows["fp32-none"]["run_to_run_sd"] is None and rows["fp32-none"]["replicated_seeds"] == 0
+    table = render(seeds("fp32", [15.0, 17.0]) + mp)
+    assert cells(table, "mp")["run-to-run sd (reruns of a seed)"] == "1.80 (2 seeds)"
+    assert cells(table, "fp32")["run-to-run sd (reruns of a seed)"] == "–"
+    assert "run-to-run" not in render(seeds("fp32", [15.0, 17.0]) + seeds("mp", [1.0, 2.0])).split("verdict:")[0]
+
+
 def test_runs_on_different_numbers_of_processes_are_not_seeds_of_one_row() -> None:
     runs = seeds("fp32", [1, 2]) + [summary("fp32", 9.0, seed=s, world_size=4) for s in (0, 1)]
     rows = json.loads(render(runs, "json"))["rows"]
