@@ -143,9 +143,9 @@ class Group:
         """Each seed's finished metrics: more than one when it was rerun with another thread count,
         deterministic kernels or on another machine (run-to-run replicates, not new seeds)."""
         out: dict[Any, list[float]] = {}
-        for r in self.finished:
+        for r in sorted(self.finished, key=lambda r: _number(result_config(r).get("seed"))):
             out.setdefault(_hashable(result_config(r).get("seed")), []).append(float(r["metric"]))
-        return out
+        return out  # in seed order, so that values line up with the sorted seeds
 
     @property
     def values(self) -> list[float]:

@@ -175,7 +175,7 @@ def test_reruns_of_a_seed_are_one_seed_and_their_spread_is_run_to_run() -> None:
     of four seeds: the seed statistics use each seed's mean, the reruns give the run-to-run sd."""
     mp = [summary("mp", 10.0, seed=0), summary("mp", 12.0, seed=0, config={"threads": 2}),
           summary("mp", 20.0, seed=1, machine="a (cpu)"), summary("mp", 23.0, seed=1, machine="b (cpu)")]
-    rows = json_rows(seeds("fp32", [15.0, 17.0]) + mp)
+    rows = json_rows(seeds("fp32", [15.0, 17.0]) + mp[::-1])  # any order in: seed order out
     row = rows["mp-none"]
     assert row["n"] == 2 and row["runs"] == 4 and row["seeds"] == [0, 1]
     assert row["metric_values"] == [11.0, 21.5] and row["metric_mean"] == 16.25
