@@ -44,7 +44,7 @@ setup() {
   "$PYTHON" -m venv "$VENV"
   "$VENV/bin/python" -m pip install --quiet --upgrade pip 2>/dev/null || true
   # pip byte-compiles everything: --no-compile saves ~20 s here but, where PYTHONDONTWRITEBYTECODE is
-  # set, leaves every run recompiling torch's modules at start (~10 s a run, measured)
+  # set, leaves every run recompiling torch's modules at start (~9 s a run, measured)
   "$VENV/bin/python" -m pip install --quiet -e '.[test]'
   echo "$want" > "$STAMP"
 }
